@@ -1,0 +1,82 @@
+"""TOML configuration: which plugins are enabled (ordered lists) and each target kind's server-side settings.
+
+Resolution: ``--config PATH`` > ``GENARTIFACT_CONFIG`` > the embedded default (:data:`DEFAULT_TOML`).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from genartifact.errors import ConfigError
+from genartifact.host import KINDS
+
+DEFAULT_TOML = """\
+# genartifact embedded default configuration
+[plugins]
+contents = ["moe_routes", "selected_logprobs"]
+targets = ["managed_fsspec"]
+probes = []
+
+[targets.managed_fsspec.profiles.local]
+url = "./artifacts"
+allowed_prefixes = ["runs/"]
+"""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Parsed configuration. ``plugins``: kind -> ordered names; ``targets``: kind -> settings table;
+    ``base_dir``: directory relative paths in settings resolve against (the config file's directory,
+    or the working directory for the embedded default)."""
+
+    plugins: dict[str, list[str]]
+    targets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    base_dir: Path = field(default_factory=Path.cwd)
+    source: str = "<embedded default>"
+
+
+def parse(text: str, *, source: str, base_dir: Path) -> Config:
+    """Parse TOML text. Raises :class:`ConfigError` naming the bad key and allowed values."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}") from None
+    extra = set(data) - {"plugins", "targets"}
+    if extra:
+        raise ConfigError(f"{source}: unknown top-level key(s) {sorted(extra)}; allowed: ['plugins', 'targets']")
+    plugins_raw = data.get("plugins", {})
+    if not isinstance(plugins_raw, Mapping):
+        raise ConfigError(f"{source}: [plugins] must be a table")
+    bad = set(plugins_raw) - set(KINDS)
+    if bad:
+        raise ConfigError(f"{source}: unknown key(s) {sorted(bad)} in [plugins]; allowed: {sorted(KINDS)}")
+    plugins: dict[str, list[str]] = {}
+    for kind in KINDS:
+        names = plugins_raw.get(kind, [])
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"{source}: [plugins].{kind} must be a list of non-empty strings")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{source}: [plugins].{kind} lists a name twice: {names}")
+        plugins[kind] = list(names)
+    targets = data.get("targets", {})
+    if not isinstance(targets, Mapping) or not all(isinstance(v, Mapping) for v in targets.values()):
+        raise ConfigError(f"{source}: [targets.<kind>] entries must be tables")
+    return Config(plugins=plugins, targets={k: dict(v) for k, v in targets.items()}, base_dir=base_dir, source=source)
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load the config from ``path``, else ``GENARTIFACT_CONFIG``, else the embedded default."""
+    chosen = path or os.environ.get("GENARTIFACT_CONFIG")
+    if not chosen:
+        return parse(DEFAULT_TOML, source="<embedded default>", base_dir=Path.cwd())
+    p = Path(chosen)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+    return parse(text, source=str(p), base_dir=p.resolve().parent)

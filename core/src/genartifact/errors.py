@@ -1,0 +1,56 @@
+"""Exception hierarchy. Every message names the offending field and the allowed values, and never
+contains a secret (URLs, signed header values, credentials)."""
+
+from __future__ import annotations
+
+
+class GenartifactError(Exception):
+    """Base class of all genartifact errors."""
+
+
+class ArtifactFormatError(GenartifactError, ValueError):
+    """A ``generation_artifact_v1`` object or encoder input violates the format (docs/format.md)."""
+
+
+class RequestSpecError(GenartifactError, ValueError):
+    """The artifact request spec is malformed (raised before inference)."""
+
+
+class AdmissionError(GenartifactError, ValueError):
+    """The worst-case artifact does not fit a limit, or the engine cannot produce a content (before inference)."""
+
+
+class CaptureError(GenartifactError, ValueError):
+    """Engine data violated the admitted bounds during capture or at finalize."""
+
+
+class TargetError(GenartifactError, ValueError):
+    """A storage target's request fields or settings are invalid (side-effect free validation)."""
+
+
+class DeliveryError(GenartifactError):
+    """Delivering bytes to storage failed. ``code`` is a stable error code (docs/receipts.md)."""
+
+    def __init__(self, message: str, code: str = "delivery_failed") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PluginError(GenartifactError):
+    """Plugin discovery/selection/loading failed."""
+
+
+class UnknownPluginError(PluginError, LookupError):
+    """A config or request names a plugin that no installed distribution provides."""
+
+
+class DuplicatePluginError(PluginError):
+    """Two different distributions claim the same plugin name within one kind."""
+
+
+class PluginLoadError(PluginError, ImportError):
+    """Importing a selected plugin's entry point failed."""
+
+
+class ConfigError(GenartifactError, ValueError):
+    """The TOML configuration is invalid."""

@@ -1,0 +1,472 @@
+"""``generation_artifact_v1``: encoder and strict, bounded reader.
+
+The byte layout is specified in ``docs/format.md``; this module is its reference implementation.
+
+Object = 16-byte prelude (uncompressed) + exactly one zstd frame that declares its content size.
+The decompressed *body* is::
+
+    u32 LE manifest_length | manifest (canonical JSON, ASCII) | zero padding to 64 | payload
+
+The payload holds every tensor listed in ``manifest["tensors"]``, little-endian, C order, each starting
+at the next multiple of 64 bytes (relative to the body start) after the previous one, padding bytes zero.
+Offsets are relative to the payload start. The manifest is the single source of truth: a reader
+recomputes the canonical placement and rejects anything else (overlap, gap, trailing bytes).
+
+Only ``numpy`` and ``zstandard`` are imported here: the reader runs without an engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from genartifact.errors import ArtifactFormatError
+
+FORMAT_NAME = "generation_artifact_v1"
+MAGIC = b"GENART\x00\x01"
+MAJOR = 1
+MINOR = 0
+CODEC_ZSTD = 1
+CODECS = {"zstd": CODEC_ZSTD}
+PRELUDE = struct.Struct("<8sHHB3x")  # magic, major, minor, codec, 3 reserved zero bytes
+PRELUDE_SIZE = PRELUDE.size  # 16
+ALIGN = 64
+ZSTD_LEVEL = 1
+
+#: Hard ceilings of the reader (bytes). The decoded limit may be lowered by the caller, never raised.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_DECODED_BYTES = 64 << 20
+
+#: dtype codes stored in the manifest -> numpy little-endian dtype
+DTYPES: dict[str, np.dtype[Any]] = {
+    "u8": np.dtype("<u1"),
+    "u16": np.dtype("<u2"),
+    "u32": np.dtype("<u4"),
+    "i32": np.dtype("<i4"),
+    "i64": np.dtype("<i8"),
+    "f32": np.dtype("<f4"),
+}
+_CODE_OF = {v: k for k, v in DTYPES.items()}
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    """Round ``n`` (bytes) up to the next multiple of ``a``."""
+    return (n + a - 1) // a * a
+
+
+def zstd_compress_bound(n: int) -> int:
+    """Worst-case size in bytes of a zstd frame holding ``n`` bytes (``ZSTD_COMPRESSBOUND`` of zstd.h,
+    plus the maximal 18-byte frame header and 4-byte checksum)."""
+    margin = ((128 << 10) - n) >> 11 if n < (128 << 10) else 0
+    return n + (n >> 8) + margin + 18 + 4
+
+
+def encoded_size_bound(decoded_bytes: int) -> int:
+    """Conservative upper bound (bytes) of the stored object for a body of ``decoded_bytes``."""
+    return PRELUDE_SIZE + zstd_compress_bound(decoded_bytes)
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Canonical manifest bytes: sorted keys, no whitespace, ASCII only, no NaN/Infinity."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def route_dtype_code(max_expert_count: int) -> str:
+    """Compact dtype code for expert ids: ``u8`` when every router has at most 256 experts, else ``u16``
+    (the vLLM AuxOutput convention, ``routed_experts_capturer.py``). Raises ``ValueError`` above 65536."""
+    if max_expert_count <= 256:
+        return "u8"
+    if max_expert_count <= 65536:
+        return "u16"
+    raise ValueError(f"expert count {max_expert_count} exceeds 65536; allowed: 1..65536")
+
+
+@dataclass(frozen=True)
+class TensorPart:
+    """One named tensor contributed to the payload by a content plugin.
+
+    ``array`` must already have its canonical dtype (one of ``DTYPES``); it is written little-endian,
+    C order. ``name`` is ``"<content>.<tensor>"`` (e.g. ``"moe_routes.expert_ids"``) or ``"token_ids"``.
+    """
+
+    name: str
+    array: np.ndarray
+
+
+@dataclass
+class ArtifactInput:
+    """Everything the encoder needs.
+
+    ``token_ids``: ``uint32 [prompt_token_count + completion_token_count]`` — prompt then completion; the
+    alignment authority for every other tensor. ``sections``: per content name, the manifest section
+    (JSON-compatible dict). ``tensors``: the content tensors, in manifest order (sorted by name by the
+    encoder). ``header``: engine/model/sampling metadata (JSON-compatible).
+    """
+
+    token_ids: np.ndarray
+    prompt_token_count: int
+    contents: Sequence[str]
+    sections: Mapping[str, Mapping[str, Any]]
+    tensors: Sequence[TensorPart]
+    header: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EncodedArtifact:
+    """Encoded object: the exact bytes to store, their length (bytes) and SHA-256 (hex)."""
+
+    data: bytes
+    byte_count: int
+    sha256: str
+    decoded_bytes: int
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > 128 or not all(c.isalnum() or c in "._" for c in name):
+        raise ArtifactFormatError(f"tensor name {name!r} invalid: 1..128 chars of [A-Za-z0-9._]")
+
+
+def _layout(tensors: Sequence[TensorPart]) -> tuple[list[dict[str, Any]], int]:
+    refs, pos = [], 0
+    for t in tensors:
+        a = t.array
+        code = _CODE_OF.get(a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
+        if code is None:
+            raise ArtifactFormatError(
+                f"tensor {t.name!r} dtype {a.dtype} not allowed; allowed: {sorted(DTYPES)}"
+            )
+        pos = align_up(pos)
+        refs.append({"name": t.name, "dtype": code, "shape": list(a.shape), "offset": pos, "byte_count": a.nbytes})
+        pos += a.nbytes
+    return refs, pos
+
+
+def build_manifest(inp: ArtifactInput) -> tuple[dict[str, Any], list[TensorPart]]:
+    """Validate ``inp`` and return the manifest dict and the tensors in payload order."""
+    tok = np.asarray(inp.token_ids)
+    if tok.ndim != 1 or tok.dtype.kind not in "iu":
+        raise ArtifactFormatError("token_ids must be a 1-D integer array")
+    if tok.size and (int(tok.min()) < 0 or int(tok.max()) > 0xFFFFFFFF):
+        raise ArtifactFormatError("token_ids out of range: allowed 0..2**32-1")
+    if not 0 <= inp.prompt_token_count <= tok.size:
+        raise ArtifactFormatError(
+            f"prompt_token_count {inp.prompt_token_count} out of range: allowed 0..{tok.size}"
+        )
+    contents = sorted(inp.contents)
+    if len(set(contents)) != len(contents):
+        raise ArtifactFormatError(f"contents has duplicates: {list(inp.contents)}")
+    if sorted(inp.sections) != contents:
+        raise ArtifactFormatError(f"sections {sorted(inp.sections)} do not match contents {contents}")
+    parts = [TensorPart("token_ids", tok.astype("<u4", copy=False))]
+    for t in sorted(inp.tensors, key=lambda p: p.name):
+        _check_name(t.name)
+        if t.name.split(".", 1)[0] not in contents:
+            raise ArtifactFormatError(f"tensor {t.name!r} does not belong to any content in {contents}")
+        parts.append(t)
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        raise ArtifactFormatError(f"duplicate tensor names: {names}")
+    refs, _ = _layout(parts)
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": [MAJOR, MINOR],
+        "prompt_token_count": int(inp.prompt_token_count),
+        "completion_token_count": int(tok.size - inp.prompt_token_count),
+        "contents": contents,
+        "header": dict(inp.header),
+        "sections": {k: dict(inp.sections[k]) for k in contents},
+        "tensors": refs,
+    }
+    return manifest, parts
+
+
+def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL) -> EncodedArtifact:
+    """Encode ``inp`` to ``generation_artifact_v1`` bytes.
+
+    Deterministic: the same input gives the same bytes (and SHA-256). Content checks that need the
+    manifest (expert-id range, logprob finiteness) run here via :func:`validate`, so an object that
+    would not read back is never produced. Raises :class:`ArtifactFormatError` on invalid input or when
+    the decoded body would exceed :data:`MAX_DECODED_BYTES`.
+    """
+    manifest, parts = build_manifest(inp)
+    mbytes = canonical_json(manifest)
+    if len(mbytes) > MAX_MANIFEST_BYTES:
+        raise ArtifactFormatError(f"manifest is {len(mbytes)} bytes; limit {MAX_MANIFEST_BYTES}")
+    head = 4 + len(mbytes)
+    payload_start = align_up(head)
+    refs = manifest["tensors"]
+    payload_len = refs[-1]["offset"] + refs[-1]["byte_count"]
+    total = payload_start + payload_len
+    if total > MAX_DECODED_BYTES:
+        raise ArtifactFormatError(f"decoded artifact is {total} bytes; limit {MAX_DECODED_BYTES}")
+    body = bytearray(total)
+    body[0:4] = struct.pack("<I", len(mbytes))
+    body[4:head] = mbytes
+    for ref, part in zip(refs, parts):
+        o = payload_start + ref["offset"]
+        body[o : o + ref["byte_count"]] = np.ascontiguousarray(part.array).astype(
+            DTYPES[ref["dtype"]], copy=False
+        ).tobytes()
+    _validate_contents(manifest, _views(manifest, memoryview(body), payload_start))
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    frame = cctx.compress(bytes(body))
+    data = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD) + frame
+    return EncodedArtifact(data=data, byte_count=len(data), sha256=hashlib.sha256(data).hexdigest(), decoded_bytes=total)
+
+
+# ----------------------------------------------------------------------------------------------- reader
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A decoded, validated artifact. Arrays are read-only zero-copy views into the decoded body.
+
+    ``token_ids``: ``uint32 [P + C]``. :meth:`routes` gives ``[rows, routers, top_k]``;
+    :meth:`selected_logprobs` gives ``float32 [C]``.
+    """
+
+    manifest: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    sha256: str
+    byte_count: int
+
+    @property
+    def contents(self) -> list[str]:
+        return list(self.manifest["contents"])
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self.tensors["token_ids"]
+
+    @property
+    def prompt_token_count(self) -> int:
+        return int(self.manifest["prompt_token_count"])
+
+    @property
+    def completion_token_ids(self) -> np.ndarray:
+        return self.token_ids[self.prompt_token_count :]
+
+    def routes(self) -> np.ndarray:
+        """Expert ids as ``[rows, routers, top_k]`` (uint8/uint16), row *i* = routing of the token at
+        absolute position ``token_start + i`` when fed as input; vLLM's top-k order is preserved.
+        A zero-copy transposed view of the stored router-major ``[routers, rows, top_k]`` tensor.
+        Raises ``KeyError`` when the artifact has no ``moe_routes``."""
+        return self.tensors["moe_routes.expert_ids"].transpose(1, 0, 2)
+
+    def selected_logprobs(self) -> np.ndarray:
+        """``float32 [completion_token_count]``: logprob of each sampled token. ``KeyError`` if absent."""
+        return self.tensors["selected_logprobs.logprobs"]
+
+    def to_torch(self, name: str) -> Any:
+        """Tensor ``name`` as a ``torch.Tensor`` (copy; torch needs writable memory). Imports torch lazily."""
+        import torch
+
+        return torch.from_numpy(np.array(self.tensors[name]))
+
+
+def _fail(msg: str) -> ArtifactFormatError:
+    return ArtifactFormatError(msg)
+
+
+def read_prelude(data: bytes | memoryview) -> None:
+    """Check the 16-byte prelude; raises :class:`ArtifactFormatError` naming the bad field."""
+    if len(data) < PRELUDE_SIZE:
+        raise _fail(f"truncated: {len(data)} bytes, prelude needs {PRELUDE_SIZE}")
+    magic, major, minor, codec = PRELUDE.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise _fail(f"bad magic {magic!r}; expected {MAGIC!r}")
+    if major != MAJOR:
+        raise _fail(f"unsupported major version {major}; supported: {MAJOR}")
+    if minor > MINOR:
+        raise _fail(f"unsupported minor version {minor}; supported: <= {MINOR}")
+    if codec != CODEC_ZSTD:
+        raise _fail(f"unsupported codec {codec}; supported: {CODEC_ZSTD} (zstd)")
+    if bytes(data[13:16]) != b"\x00\x00\x00":
+        raise _fail("reserved prelude bytes must be zero")
+
+
+def decode(data: bytes, *, max_decoded_bytes: int = MAX_DECODED_BYTES) -> Artifact:
+    """Decode and validate one object. Bounded: the frame's declared content size is checked against
+    ``max_decoded_bytes`` (capped at :data:`MAX_DECODED_BYTES`) before any allocation.
+
+    Raises :class:`ArtifactFormatError` for bad magic/version/codec, truncation, a frame without a
+    declared size, trailing data or extra frames, non-canonical manifest, bad tensor placement,
+    out-of-range expert ids, NaN/+inf logprobs, or misaligned tensors.
+    """
+    data = bytes(data)
+    limit = min(max_decoded_bytes, MAX_DECODED_BYTES)
+    read_prelude(data)
+    frame = data[PRELUDE_SIZE:]
+    try:
+        params = zstandard.get_frame_parameters(frame)
+    except zstandard.ZstdError as e:
+        raise _fail(f"invalid zstd frame header: {e}") from None
+    size = params.content_size
+    if size == zstandard.CONTENTSIZE_UNKNOWN or size == zstandard.CONTENTSIZE_ERROR:
+        raise _fail("zstd frame does not declare its content size")
+    if size > limit:
+        raise _fail(f"declared decoded size {size} exceeds limit {limit}")
+    if params.dict_id != 0:
+        raise _fail("zstd dictionaries are not allowed")
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        body = dobj.decompress(frame)
+    except zstandard.ZstdError as e:
+        raise _fail(f"corrupt zstd frame: {e}") from None
+    if not dobj.eof:
+        raise _fail("truncated zstd frame")
+    if dobj.unused_data:
+        raise _fail(f"{len(dobj.unused_data)} bytes of trailing data after the zstd frame")
+    if len(body) != size:
+        raise _fail(f"decoded {len(body)} bytes but the frame declared {size}")
+    manifest, payload_start = _parse_manifest(body)
+    views = _views(manifest, memoryview(body), payload_start)
+    _validate_contents(manifest, views)
+    return Artifact(manifest=manifest, tensors=views, sha256=hashlib.sha256(data).hexdigest(), byte_count=len(data))
+
+
+_MANIFEST_KEYS = {"format", "version", "prompt_token_count", "completion_token_count", "contents", "header", "sections", "tensors"}
+_REF_KEYS = {"name", "dtype", "shape", "offset", "byte_count"}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_manifest(body: bytes) -> tuple[dict[str, Any], int]:
+    if len(body) < 4:
+        raise _fail("body shorter than its manifest length field")
+    (mlen,) = struct.unpack_from("<I", body, 0)
+    if mlen > MAX_MANIFEST_BYTES:
+        raise _fail(f"manifest length {mlen} exceeds limit {MAX_MANIFEST_BYTES}")
+    if 4 + mlen > len(body):
+        raise _fail("manifest runs past the end of the body")
+    raw = body[4 : 4 + mlen]
+    try:
+        manifest = json.loads(raw.decode("ascii"), parse_constant=lambda c: (_ for _ in ()).throw(_fail(f"manifest has {c}")))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(f"manifest is not ASCII JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise _fail("manifest must be a JSON object")
+    if canonical_json(manifest) != raw:
+        raise _fail("manifest is not canonical (sorted keys, compact separators, ASCII)")
+    if set(manifest) != _MANIFEST_KEYS:
+        raise _fail(f"manifest keys {sorted(manifest)}; expected {sorted(_MANIFEST_KEYS)}")
+    if manifest["format"] != FORMAT_NAME or manifest["version"] != [MAJOR, MINOR]:
+        raise _fail(f"manifest format/version {manifest['format']!r} {manifest['version']!r}; expected {FORMAT_NAME} [1, 0]")
+    payload_start = align_up(4 + mlen)
+    if any(body[4 + mlen : payload_start]):
+        raise _fail("manifest padding bytes must be zero")
+    refs = manifest["tensors"]
+    if not isinstance(refs, list) or not refs or not all(isinstance(r, dict) and set(r) == _REF_KEYS for r in refs):
+        raise _fail(f"manifest tensors must be a non-empty list of objects with keys {sorted(_REF_KEYS)}")
+    names = [r["name"] for r in refs]
+    if names[0] != "token_ids" or names[1:] != sorted(names[1:]) or len(set(names)) != len(names):
+        raise _fail("tensors must start with token_ids followed by unique names in sorted order")
+    pos = 0
+    for r in refs:
+        if r["dtype"] not in DTYPES:
+            raise _fail(f"tensor {r['name']!r} dtype {r['dtype']!r}; allowed {sorted(DTYPES)}")
+        shape = r["shape"]
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise _fail(f"tensor {r['name']!r} shape {shape!r} invalid")
+        expect_bytes = math.prod(shape) * DTYPES[r["dtype"]].itemsize
+        if not _is_int(r["byte_count"]) or r["byte_count"] != expect_bytes:
+            raise _fail(f"tensor {r['name']!r} byte_count {r['byte_count']!r} != shape x itemsize {expect_bytes}")
+        pos = align_up(pos)
+        if r["offset"] != pos:
+            raise _fail(f"tensor {r['name']!r} offset {r['offset']!r}; canonical placement is {pos} (overlap or gap)")
+        pos += expect_bytes
+    if payload_start + pos != len(body):
+        raise _fail(f"payload is {len(body) - payload_start} bytes but tensors cover {pos}")
+    tok = refs[0]
+    if tok["dtype"] != "u32" or len(tok["shape"]) != 1:
+        raise _fail("token_ids must be u32 with rank 1")
+    p, c = manifest["prompt_token_count"], manifest["completion_token_count"]
+    if not (_is_int(p) and _is_int(c) and p >= 0 and c >= 0 and p + c == tok["shape"][0]):
+        raise _fail("prompt_token_count + completion_token_count must equal len(token_ids)")
+    contents = manifest["contents"]
+    if not isinstance(contents, list) or contents != sorted(set(contents)) or sorted(manifest["sections"]) != contents:
+        raise _fail("contents must be sorted, unique and match sections")
+    for n in names[1:]:
+        if n.split(".", 1)[0] not in contents:
+            raise _fail(f"tensor {n!r} belongs to no declared content")
+    return manifest, payload_start
+
+
+def _views(manifest: dict[str, Any], body: memoryview, payload_start: int) -> dict[str, np.ndarray]:
+    out = {}
+    for r in manifest["tensors"]:
+        dt = DTYPES[r["dtype"]]
+        off = payload_start + r["offset"]
+        if off % dt.itemsize:
+            raise _fail(f"tensor {r['name']!r} misaligned")
+        n = math.prod(r["shape"])
+        a = np.frombuffer(body, dtype=dt, count=n, offset=off).reshape(r["shape"])
+        a.flags.writeable = False
+        out[r["name"]] = a
+    return out
+
+
+def _validate_contents(manifest: dict[str, Any], views: dict[str, np.ndarray]) -> None:
+    """Per-content semantic checks shared by encoder and reader."""
+    p, c = manifest["prompt_token_count"], manifest["completion_token_count"]
+    secs = manifest["sections"]
+    if "moe_routes" in secs:
+        s = secs["moe_routes"]
+        need = {"token_start", "router_ids", "expert_counts", "top_k", "layout"}
+        if not isinstance(s, dict) or not need <= set(s):
+            raise _fail(f"moe_routes section needs keys {sorted(need)}")
+        ids = views.get("moe_routes.expert_ids")
+        if ids is None or ids.ndim != 3:
+            raise _fail("moe_routes.expert_ids must exist with rank 3 [routers, rows, top_k]")
+        routers, rows, k = ids.shape
+        start = s["token_start"]
+        if s["layout"] != "router_major":
+            raise _fail(f"moe_routes layout {s['layout']!r}; allowed: 'router_major'")
+        if not _is_int(start) or not 0 <= start <= p:
+            raise _fail(f"moe_routes token_start {start!r} out of range 0..{p}")
+        if rows != max(0, p + c - 1 - start):
+            raise _fail(f"moe_routes rows {rows} != prompt + completion - 1 - token_start = {max(0, p + c - 1 - start)}")
+        rid, ec = s["router_ids"], s["expert_counts"]
+        if not (isinstance(rid, list) and isinstance(ec, list) and len(rid) == len(ec) == routers and routers > 0):
+            raise _fail(f"router_ids/expert_counts must list {routers} routers")
+        if rid != sorted(set(rid)) or not all(_is_int(x) and x >= 0 for x in rid):
+            raise _fail("router_ids must be unique, ascending, non-negative")
+        if not all(_is_int(x) and 1 <= x <= 65536 for x in ec):
+            raise _fail("expert_counts must be in 1..65536")
+        if s["top_k"] != k or k < 1:
+            raise _fail(f"moe_routes top_k {s['top_k']!r} != tensor top_k {k}")
+        if manifest["tensors"] and _dtype_of(manifest, "moe_routes.expert_ids") != route_dtype_code(max(ec)):
+            raise _fail(f"moe_routes.expert_ids dtype must be {route_dtype_code(max(ec))} for max expert count {max(ec)}")
+        if ids.size:
+            per_router_max = ids.reshape(routers, -1).max(axis=1)
+            bad = np.nonzero(per_router_max >= np.asarray(ec))[0]
+            if bad.size:
+                i = int(bad[0])
+                raise _fail(f"expert id {int(per_router_max[i])} out of range for router {rid[i]} with {ec[i]} experts")
+    if "selected_logprobs" in secs:
+        s = secs["selected_logprobs"]
+        lp = views.get("selected_logprobs.logprobs")
+        if lp is None or lp.dtype != np.float32 or lp.shape != (c,):
+            raise _fail(f"selected_logprobs.logprobs must be f32 [{c}]")
+        if not isinstance(s, dict) or s.get("token_start") != p:
+            raise _fail(f"selected_logprobs token_start must equal prompt_token_count {p}")
+        bad = np.nonzero(np.isnan(lp) | (lp > 0) & np.isinf(lp))[0]
+        if bad.size:
+            raise _fail(f"selected_logprobs[{int(bad[0])}] is {float(lp[bad[0]])}; only finite values and -inf are allowed")
+
+
+def _dtype_of(manifest: dict[str, Any], name: str) -> str | None:
+    for r in manifest["tensors"]:
+        if r["name"] == name:
+            return str(r["dtype"])
+    return None

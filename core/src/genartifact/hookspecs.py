@@ -1,0 +1,80 @@
+"""pluggy hook specifications, grouped by plugin kind. All hook names carry the ``genartifact_`` prefix.
+
+Kinds and their entry-point groups:
+
+* contents -> ``genartifact.contents`` (entry-point name = content name, e.g. ``moe_routes``)
+* targets  -> ``genartifact.targets``  (entry-point name = target kind, e.g. ``managed_fsspec``)
+* probes   -> ``genartifact.probes``   (benchmark/provenance collectors)
+
+Content plugins may also implement the worker hooks: they run inside vLLM worker processes through the
+single genartifact worker extension (``genartifact.engine.worker_ext``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from genartifact.types import ContentProducer, ModelInfo, StorageTarget
+
+PROJECT = "genartifact"
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+class ContentSpecs:
+    """Hooks of content producers (group ``genartifact.contents``)."""
+
+    @hookspec(firstresult=True)
+    def genartifact_content_producer(self, name: str, model: ModelInfo) -> ContentProducer | None:
+        """Create the per-request producer for content ``name``.
+
+        :param name: the requested content name.
+        :param model: model and engine facts.
+        :return: a :class:`~genartifact.types.ContentProducer` if this plugin provides ``name``, else None.
+        Stops at the first non-None result.
+        """
+
+    @hookspec
+    def genartifact_engine_options(self, options: dict[str, Any]) -> None:
+        """Adjust engine construction kwargs in place before the engine starts (e.g. disable prefix
+        caching). Called in config order for every enabled content plugin. Returns nothing."""
+
+
+class WorkerSpecs:
+    """Hooks run inside engine worker processes by the genartifact worker extension."""
+
+    @hookspec
+    def genartifact_worker_init(self, worker: Any) -> None:
+        """Called once per worker after the model is loaded (lazily, on the first genartifact RPC).
+        ``worker`` is the vLLM worker (has ``model_runner``). Returns nothing."""
+
+    @hookspec(firstresult=True)
+    def genartifact_worker_call(self, worker: Any, method: str, args: list[Any]) -> Any:
+        """Handle worker RPC ``method`` (namespaced ``"<content>.<verb>"``) with msgpack-native ``args``.
+        Return a msgpack-native result, or None if this plugin does not own ``method``.
+        Stops at the first non-None result."""
+
+
+class TargetSpecs:
+    """Hooks of storage targets (group ``genartifact.targets``)."""
+
+    @hookspec(firstresult=True)
+    def genartifact_storage_target(self, kind: str, settings: Mapping[str, Any]) -> StorageTarget | None:
+        """Create the target for ``kind`` from its server-side ``settings`` (config table
+        ``[targets.<kind>]``). Return None if this plugin does not provide ``kind``.
+        Raise :class:`~genartifact.errors.ConfigError` for invalid settings. Stops at the first non-None."""
+
+
+class ProbeSpecs:
+    """Hooks of benchmark/provenance probes (group ``genartifact.probes``)."""
+
+    @hookspec
+    def genartifact_collect_provenance(self, context: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """Return one provenance block (JSON-compatible) for the run described by ``context``, or None.
+        Implementations must be fail-soft: the host records an exception instead of failing the run."""
+
+
+ALL_SPECS = (ContentSpecs, WorkerSpecs, TargetSpecs, ProbeSpecs)

@@ -1,0 +1,320 @@
+"""One request's artifact lifecycle: admit -> capture deltas -> finalize (encode + deliver) -> release.
+
+Admission runs before inference and takes no pipeline slot. Finalize encodes off the event loop and
+delivers under the host's per-event-loop pipeline semaphore. Cancellation (see :meth:`ArtifactSession.finalize`):
+cancelled before its slot is taken, the operation never starts; cancelled after, it finishes in the
+background and keeps its slot until done.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+
+from genartifact import format as fmt
+from genartifact.errors import (
+    AdmissionError,
+    ArtifactFormatError,
+    CaptureError,
+    DeliveryError,
+    GenartifactError,
+    TargetError,
+)
+from genartifact.host import PluginHost
+from genartifact.limits import max_decoded_bytes
+from genartifact.spec import ArtifactRequest
+from genartifact.types import AdmissionContext, ContentProducer, Delta, FinalContext, ModelInfo, ValidatedTarget
+
+log = structlog.get_logger("genartifact.session")
+
+#: Stable receipt error codes (docs/receipts.md).
+ERROR_MESSAGES = {
+    "capture_invalid": "captured engine data violated the admitted bounds",
+    "encode_failed": "generation artifact encoding failed",
+    "target_invalid": "generation artifact target became invalid",
+    "too_large": "generation artifact exceeds the target byte limit",
+    "delivery_failed": "generation artifact delivery failed",
+    "object_exists": "generation artifact object already exists",
+    "timeout": "generation artifact delivery timed out",
+    "internal_error": "generation artifact failed",
+}
+
+MANIFEST_BASE_BYTES = 8192
+MANIFEST_BYTES_PER_ROUTER = 24
+TOKEN_BYTES = 4  # token ids are stored as uint32
+
+
+def failed_receipt(req: ArtifactRequest, code: str) -> dict[str, Any]:
+    """Receipt for a failed artifact: stable code and generic message, no provider detail."""
+    return {
+        "format": req.format,
+        "contents": sorted(req.contents),
+        "state": "failed",
+        "error_code": code,
+        "error": ERROR_MESSAGES.get(code, ERROR_MESSAGES["internal_error"]),
+    }
+
+
+class ArtifactSession:
+    """Artifact state of a single-choice request.
+
+    :param host: the plugin host (provides content producers, targets and the pipeline semaphore).
+    :param request: a validated :class:`~genartifact.spec.ArtifactRequest`.
+    :param model: engine/model facts.
+    :param target: a storage target instance for ``request.target_kind`` (from :meth:`for_request`).
+    """
+
+    def __init__(self, host: PluginHost, request: ArtifactRequest, model: ModelInfo, target: Any,
+                 producers: list[ContentProducer]) -> None:
+        self.host = host
+        self.request = request
+        self.model = model
+        self._target = target
+        self._producers = producers
+        self._validated: ValidatedTarget | None = None
+        self._prompt: list[int] | None = None
+        self._completion = array.array("I")
+        self.prompt_token_count = 0
+        self.max_tokens = 0
+        self.budget = 0
+        self.encoded_bound = 0
+        self._header: dict[str, Any] = {}
+        self._finished = False
+        self.peak_retained = 0
+
+    @classmethod
+    def for_request(cls, host: PluginHost, request: ArtifactRequest, model: ModelInfo,
+                    target_settings: Mapping[str, Mapping[str, Any]]) -> ArtifactSession:
+        """Resolve content producers and the target from enabled plugins.
+
+        :raises UnknownPluginError: a content name or target kind has no enabled plugin (fail fast).
+        """
+        for c in request.contents:
+            host.require("contents", c, "generation_artifact.contents")
+        host.require("targets", request.target_kind, "generation_artifact.delivery.target.kind")
+        producers = []
+        for c in request.contents:
+            p = host.hooks.content_producer(name=c, model=model)
+            if p is None:
+                raise AdmissionError(f"content '{c}': its plugin returned no producer for model {model.name!r}")
+            producers.append(p)
+        target = host.hooks.storage_target(kind=request.target_kind,
+                                           settings=target_settings.get(request.target_kind, {}))
+        if target is None:
+            raise AdmissionError(f"target kind '{request.target_kind}': its plugin returned no target")
+        return cls(host, request, model, target, producers)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, prompt_token_count: int, max_tokens: int, *, routes_start: int = 0,
+              sampling: Mapping[str, Any] | None = None) -> None:
+        """Admit the request before inference.
+
+        Worst-case decoded bytes = manifest bound + uint32 tokens ``(P + max_tokens)`` + each content's
+        worst case + 64-byte alignment per tensor; the encoded bound adds zstd's compress bound.
+        :raises AdmissionError: above ``GENARTIFACT_MAX_DECODED_BYTES`` (default 64 MiB) or the target's
+            ``max_bytes``; or a producer cannot be served by this engine.
+        :raises TargetError: the target spec is invalid (validation has no side effects).
+        """
+        for name, v in (("prompt_token_count", prompt_token_count), ("max_tokens", max_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "max_tokens" else 0):
+                raise AdmissionError(f"{name} must be an integer >= {1 if name == 'max_tokens' else 0}; got {v!r}")
+        if isinstance(routes_start, bool) or not isinstance(routes_start, int) or routes_start < 0:
+            raise AdmissionError(f"routed_experts_prompt_start must be a non-negative integer; got {routes_start!r}")
+        sampling = dict(sampling or {})
+        ctx = AdmissionContext(prompt_token_count, max_tokens, min(routes_start, prompt_token_count), self.model, sampling)
+        validated = self._target.validate(self.request.target)
+        self._header = self._make_header(sampling)
+        content_bytes = sum(p.admit(ctx) for p in self._producers)
+        tensors = 1 + 2 * len(self._producers)
+        decoded = (MANIFEST_BASE_BYTES + len(fmt.canonical_json(self._header)) + fmt.ALIGN * tensors
+                   + TOKEN_BYTES * (prompt_token_count + max_tokens) + content_bytes)
+        limit = max_decoded_bytes()
+        if decoded > limit:
+            raise AdmissionError(
+                f"worst-case decoded artifact is {decoded} bytes (prompt {prompt_token_count} + max_tokens "
+                f"{max_tokens} tokens, contents {list(self.request.contents)}); limit {limit} bytes "
+                f"(GENARTIFACT_MAX_DECODED_BYTES); lower max_tokens or request fewer contents"
+            )
+        bound = fmt.encoded_size_bound(decoded)
+        if bound > validated.max_bytes:
+            raise AdmissionError(
+                f"worst-case encoded artifact is {bound} bytes; target max_bytes is {validated.max_bytes}; "
+                f"lower max_tokens or raise the target's max_bytes"
+            )
+        self._validated = validated
+        self.prompt_token_count, self.max_tokens = prompt_token_count, max_tokens
+        self.budget, self.encoded_bound = decoded, bound
+        self.routes_start = ctx.routes_start
+
+    def _make_header(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
+        opts = self.model.engine_options
+        return {
+            "engine": {"name": self.model.engine_name, "version": self.model.engine_version},
+            "model": {"name": self.model.name, "config_sha256": self.model.config_sha256},
+            "sampling": {
+                "temperature": sampling.get("temperature"),
+                "top_p": sampling.get("top_p"),
+                "top_k": sampling.get("top_k"),
+                "seed": sampling.get("seed"),
+                "logprobs_mode": opts.get("logprobs_mode"),
+            },
+        }
+
+    def sampling_overrides(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Let each producer adjust the engine sampling kwargs (in place); returns ``params``."""
+        self._require_admitted()
+        for p in self._producers:
+            p.sampling_overrides(params)
+        return params
+
+    def _require_admitted(self) -> None:
+        if self._validated is None:
+            raise CaptureError("session not admitted (call admit() before inference)")
+
+    # ------------------------------------------------------------------ capture
+    def record(self, delta: Delta) -> None:
+        """Capture one engine delta, revalidating admitted bounds.
+
+        :raises CaptureError: prompt length changed, completion beyond ``max_tokens``, a producer's data
+            out of bounds, or retained bytes above the admitted budget.
+        """
+        self._require_admitted()
+        if self._finished:
+            raise CaptureError("delta received after the final delta")
+        prompt = list(delta.prompt_token_ids)
+        if self._prompt is None:
+            if len(prompt) != self.prompt_token_count:
+                raise CaptureError(f"engine prompt has {len(prompt)} tokens; admitted {self.prompt_token_count}")
+            self._prompt = prompt
+        elif len(prompt) != len(self._prompt):
+            raise CaptureError(f"prompt length changed from {len(self._prompt)} to {len(prompt)} tokens")
+        if len(self._completion) + len(delta.new_token_ids) > self.max_tokens:
+            raise CaptureError(
+                f"completion reached {len(self._completion) + len(delta.new_token_ids)} tokens; admitted max_tokens {self.max_tokens}"
+            )
+        try:
+            self._completion.extend(delta.new_token_ids)
+        except OverflowError:
+            raise CaptureError("token id out of range 0..2**32-1") from None
+        for p in self._producers:
+            p.on_delta(delta)
+        self._check_budget()
+        self._finished = delta.finished
+
+    def _check_budget(self) -> None:
+        retained = self.retained_bytes()
+        self.peak_retained = max(self.peak_retained, retained)
+        if retained > self.budget:
+            raise CaptureError(f"retained {retained} bytes exceed the admitted budget of {self.budget} bytes")
+
+    def retained_bytes(self) -> int:
+        """Bytes retained now: token ids plus every producer's retained bytes."""
+        tokens = TOKEN_BYTES * (len(self._prompt or ()) + len(self._completion))
+        return tokens + sum(p.retained_bytes() for p in self._producers)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return list(self._completion)
+
+    # ------------------------------------------------------------------ finalize
+    async def finalize(self, engine: Any = None) -> dict[str, Any]:
+        """Collect, encode off the event loop, deliver, and return the receipt.
+
+        Never raises for artifact failures: returns a failed receipt (``state: failed``, stable
+        ``error_code``). Raises ``asyncio.CancelledError`` if cancelled; if the encode/deliver operation had
+        already started it keeps running in the background (holding its pipeline slot) until done.
+        """
+        self._require_admitted()
+        final = FinalContext(self.prompt_token_count, len(self._completion), engine)
+        try:
+            for p in self._producers:
+                await p.collect(final)
+            self._check_budget()
+            inp = self._build_input(final)
+        except CaptureError as e:
+            log.warning("artifact_capture_invalid", error=str(e), contents=sorted(self.request.contents))
+            return failed_receipt(self.request, "capture_invalid")
+        except Exception as e:  # noqa: BLE001 - a plugin bug must not fail generation
+            log.error("artifact_collect_failed", error_type=type(e).__name__, error=str(e))
+            return failed_receipt(self.request, "internal_error")
+        sem = self.host.pipeline()
+        await sem.acquire()  # cancelled here -> the operation never starts
+        task = asyncio.ensure_future(self._encode_and_deliver(inp, sem))
+        task.add_done_callback(_consume)
+        return await asyncio.shield(task)
+
+    def _build_input(self, final: FinalContext) -> fmt.ArtifactInput:
+        sections, tensors = {}, []
+        for p in self._producers:
+            section, parts = p.finalize(final)
+            sections[p.name] = section
+            tensors.extend(parts)
+        tokens = array.array("I", self._prompt or [])
+        tokens.extend(self._completion)
+        import numpy as np
+
+        return fmt.ArtifactInput(
+            token_ids=np.frombuffer(tokens, dtype="<u4") if tokens else np.zeros(0, "<u4"),
+            prompt_token_count=self.prompt_token_count,
+            contents=list(self.request.contents),
+            sections=sections,
+            tensors=tensors,
+            header=self._header,
+        )
+
+    async def _encode_and_deliver(self, inp: fmt.ArtifactInput, sem: asyncio.Semaphore) -> dict[str, Any]:
+        assert self._validated is not None
+        try:
+            try:
+                enc = await asyncio.to_thread(fmt.encode, inp)
+            except ArtifactFormatError as e:
+                log.warning("artifact_encode_failed", error=str(e))
+                return failed_receipt(self.request, "encode_failed")
+            if enc.decoded_bytes > self.budget:
+                log.error("artifact_over_budget", decoded=enc.decoded_bytes, budget=self.budget)
+                return failed_receipt(self.request, "capture_invalid")
+            if enc.byte_count > self._validated.max_bytes:
+                return failed_receipt(self.request, "too_large")
+            try:
+                object_id = await self._target.deliver(self._validated, enc.data, enc.sha256)
+            except DeliveryError as e:
+                log.warning("artifact_delivery_failed", error_code=e.code, target_kind=self.request.target_kind)
+                return failed_receipt(self.request, e.code if e.code in ERROR_MESSAGES else "delivery_failed")
+            except TargetError:
+                return failed_receipt(self.request, "target_invalid")
+            log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
+            return {
+                "format": self.request.format,
+                "contents": sorted(self.request.contents),
+                "state": "ready",
+                "byte_count": enc.byte_count,
+                "sha256": enc.sha256,
+                "object_id": object_id,
+            }
+        except GenartifactError as e:
+            log.error("artifact_failed", error_type=type(e).__name__)
+            return failed_receipt(self.request, "internal_error")
+        except Exception as e:  # noqa: BLE001 - never leak provider detail into the receipt
+            log.error("artifact_failed", error_type=type(e).__name__)
+            return failed_receipt(self.request, "internal_error")
+        finally:
+            sem.release()
+
+    def release(self) -> None:
+        """Clear tokens, producer state, counters and admission state. Idempotent."""
+        for p in self._producers:
+            p.release()
+        self._prompt = None
+        self._completion = array.array("I")
+        self._validated = None
+        self.prompt_token_count = self.max_tokens = self.budget = self.encoded_bound = 0
+        self._finished = False
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

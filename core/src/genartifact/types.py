@@ -1,0 +1,133 @@
+"""Engine-neutral data passed through hooks. No engine imports: the adapter converts vLLM objects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from genartifact.format import TensorPart
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What admission and capture need to know about the serving engine and model.
+
+    ``hf_config``: the model's ``config.json`` as a dict (text config merged, as vLLM's ``hf_text_config``).
+    ``engine_options``: resolved engine settings that change what can be captured, e.g.
+    ``{"enable_prefix_caching": False, "worker_extension": True, "native_routed_experts": False,
+    "logprobs_mode": "raw_logprobs"}``.
+    """
+
+    name: str
+    hf_config: Mapping[str, Any]
+    engine_name: str = "vllm"
+    engine_version: str = "unknown"
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    config_sha256: str = ""
+
+
+@dataclass(frozen=True)
+class AdmissionContext:
+    """Worst-case shape of one request, known before inference (units: tokens)."""
+
+    prompt_token_count: int
+    max_tokens: int
+    routes_start: int
+    model: ModelInfo
+    sampling: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One engine output delta for a single-choice request (vLLM ``RequestOutputKind.DELTA``).
+
+    ``prompt_token_ids`` is set on every delta by vLLM and must never change. ``new_token_ids`` are the
+    completion tokens added by this delta. ``new_logprobs`` (optional) is aligned 1:1 with
+    ``new_token_ids``: per token a mapping token id -> logprob (float, or an object with ``.logprob``),
+    vLLM's ``SampleLogprobs`` shape. ``routed_experts`` is vLLM's native ``CompletionOutput.routed_experts``
+    (``[rows, num_hidden_layers, top_k]``, any integer dtype) when the engine returns it, else None.
+    """
+
+    prompt_token_ids: Sequence[int]
+    new_token_ids: Sequence[int]
+    new_logprobs: Sequence[Mapping[int, Any]] | None = None
+    routed_experts: np.ndarray | None = None
+    finished: bool = False
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    """The live engine as seen by content plugins at collect time."""
+
+    async def worker_call(self, method: str, *args: Any) -> list[Any]:
+        """Run worker-side hook ``method`` on every worker (vLLM ``collective_rpc``); one result per worker."""
+        ...
+
+
+@dataclass
+class FinalContext:
+    """Token facts at finalize: ``prompt_token_count``, ``completion_token_count`` (tokens), and the
+    engine handle (None when finalizing without an engine, e.g. in unit tests)."""
+
+    prompt_token_count: int
+    completion_token_count: int
+    engine: EngineHandle | None = None
+
+
+class ContentProducer(Protocol):
+    """Per-request state of one content plugin. Created by ``genartifact_content_producer``.
+
+    Lifecycle: ``admit`` -> ``sampling_overrides`` -> ``on_delta``* -> ``collect`` -> ``finalize``;
+    ``release`` always, also after errors.
+    """
+
+    name: str
+
+    def admit(self, ctx: AdmissionContext) -> int:
+        """Return the worst-case decoded bytes of this content's tensors plus its manifest section.
+        Raise :class:`~genartifact.errors.AdmissionError` if the engine cannot produce it."""
+
+    def sampling_overrides(self, params: dict[str, Any]) -> None:
+        """Adjust engine sampling kwargs in place (e.g. ``logprobs=0``; ``extra_args``)."""
+
+    def on_delta(self, delta: Delta) -> None:
+        """Keep only what this content needs; raise ``CaptureError`` when bounds are violated."""
+
+    async def collect(self, final: FinalContext) -> None:
+        """After the request finished: fetch anything held engine-side (e.g. worker route rows)."""
+
+    def finalize(self, final: FinalContext) -> tuple[dict[str, Any], list[TensorPart]]:
+        """Return this content's manifest section and tensors; revalidates admitted bounds."""
+
+    def retained_bytes(self) -> int:
+        """Bytes currently retained by this producer (counted against the admitted budget)."""
+
+    def release(self) -> None:
+        """Drop all retained state. Idempotent."""
+
+
+@dataclass(frozen=True)
+class ValidatedTarget:
+    """A target spec that passed side-effect-free validation. ``max_bytes``: the target's byte limit;
+    ``object_id``: the opaque id that the receipt will carry; ``detail``: target-private, never logged."""
+
+    kind: str
+    max_bytes: int
+    object_id: str
+    detail: Any = field(repr=False, compare=False, default=None)
+
+
+class StorageTarget(Protocol):
+    """A storage backend (one per target kind), created by ``genartifact_storage_target``."""
+
+    kind: str
+
+    def validate(self, spec: Mapping[str, Any]) -> ValidatedTarget:
+        """Validate a request's ``delivery.target`` without side effects; raise ``TargetError``."""
+
+    async def deliver(self, target: ValidatedTarget, data: bytes, sha256: str) -> str:
+        """Store exactly ``data`` create-only and all-or-nothing; return the object id.
+        Raise ``DeliveryError`` (with a stable ``code``) on any failure, leaving nothing at the key."""

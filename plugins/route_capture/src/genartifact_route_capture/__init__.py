@@ -1,0 +1,200 @@
+"""``moe_routes``: the routed experts (top-k expert ids, vLLM's order) of every token, per MoE layer.
+
+Rows: ``prompt + completion - 1 - routes_start`` (the last sampled token is never forwarded), shape
+``[rows, routers, top_k]``; stored router-major ``[routers, rows, top_k]`` (uint8 if <= 256 experts else
+uint16). Row *i* is the routing of absolute position ``routes_start + i``; ``routes_start`` is the request's
+``routed_experts_prompt_start`` clamped to the prompt (vLLM's ``SamplingParams`` field of that name).
+
+Two capture paths behind this one content:
+
+(a) native — vLLM's ``CompletionOutput.routed_experts`` (GPU, Model Runner V2, ``enable_return_routed_experts``):
+    the full tensor arrives on the final delta with the layer axis = all decoder layers; dense layers are
+    dropped (never reported as expert 0) and the tensor is narrowed to the compact dtype before it is retained.
+(b) worker — on runners without (a) (CPU): :mod:`genartifact_route_capture.worker` binds each MoE router's
+    capture callback inside the worker, attributes rows by absolute position, and the producer fetches a
+    finished request's rows through ``collective_rpc`` (``moe_routes.fetch``).
+
+Prefix caching: cached prefix tokens are never recomputed and produce no rows, so the worker path refuses
+``enable_prefix_caching=True`` at admission, and any unfilled position fails the artifact at collect time.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pluggy
+
+from genartifact.errors import AdmissionError, CaptureError
+from genartifact.format import TensorPart
+from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
+from genartifact_route_capture.layout import RouterLayout, resolve_layout
+
+hookimpl = pluggy.HookimplMarker("genartifact")
+NAME = "moe_routes"
+CAPTURE_KEY = "genartifact_capture_id"
+__version__ = "0.1.0"
+
+
+class MoeRoutes:
+    """Per-request producer. Retains at most ``routers x rows x top_k x itemsize`` bytes (the admitted
+    route budget); native tensors are canonicalized before they are retained."""
+
+    name = NAME
+
+    def __init__(self, model: ModelInfo) -> None:
+        self.model = model
+        self.layout: RouterLayout | None = None
+        self.native = bool(model.engine_options.get("native_routed_experts"))
+        self.capture_id: str | None = None
+        self.start = 0
+        self._max_rows = 0
+        self._routes: np.ndarray | None = None  # router-major [routers, rows, top_k]
+
+    # admission ------------------------------------------------------------------------------------
+    def admit(self, ctx: AdmissionContext) -> int:
+        opts = ctx.model.engine_options
+        if not self.native and not opts.get("worker_extension"):
+            raise AdmissionError(
+                "moe_routes needs a route source: set enable_return_routed_experts=True (GPU, Model Runner V2) "
+                "or worker_extension_cls='genartifact.engine.worker_ext.GenartifactWorkerExtension'"
+            )
+        if not self.native and opts.get("enable_prefix_caching"):
+            raise AdmissionError(
+                "moe_routes via the worker path cannot see prefix-cached tokens (they are never recomputed); "
+                "start the engine with enable_prefix_caching=False"
+            )
+        self.layout = resolve_layout(ctx.model.hf_config)
+        self.start = ctx.routes_start
+        self._max_rows = max(0, ctx.prompt_token_count + ctx.max_tokens - 1 - self.start)
+        per_row = self.layout.routers * self.layout.top_k * self.layout.itemsize
+        return self._max_rows * per_row + 32 * self.layout.routers + 256
+
+    def sampling_overrides(self, params: dict[str, Any]) -> None:
+        if self.native:
+            if self.start:
+                params["routed_experts_prompt_start"] = self.start
+            return
+        self.capture_id = uuid.uuid4().hex
+        extra = dict(params.get("extra_args") or {})
+        extra[CAPTURE_KEY] = self.capture_id
+        params["extra_args"] = extra
+
+    # capture --------------------------------------------------------------------------------------
+    def on_delta(self, delta: Delta) -> None:
+        if delta.routed_experts is not None:
+            self._routes = None  # only the latest full tensor is retained
+            self._routes = self._canonical_native(np.asarray(delta.routed_experts))
+
+    def _canonical_native(self, arr: np.ndarray) -> np.ndarray:
+        lay = self._lay()
+        if arr.ndim != 3 or arr.shape[2] != lay.top_k:
+            raise CaptureError(f"moe_routes: engine tensor shape {arr.shape}; expected [rows, layers, {lay.top_k}]")
+        if arr.shape[0] > self._max_rows:
+            raise CaptureError(f"moe_routes: engine sent {arr.shape[0]} rows; admitted at most {self._max_rows}")
+        if arr.dtype.kind not in "iu":
+            raise CaptureError(f"moe_routes: engine tensor dtype {arr.dtype} is not integer")
+        if arr.shape[1] == lay.num_hidden_layers:
+            arr = arr[:, list(lay.router_ids), :]
+        elif arr.shape[1] != lay.routers:
+            raise CaptureError(
+                f"moe_routes: engine layer axis {arr.shape[1]} matches neither num_hidden_layers "
+                f"{lay.num_hidden_layers} nor the {lay.routers} MoE layers"
+            )
+        self._check_range(arr)
+        return np.ascontiguousarray(arr.transpose(1, 0, 2), dtype=self._dtype())
+
+    def _check_range(self, arr: np.ndarray) -> None:
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self._lay().num_experts):
+            raise CaptureError(f"moe_routes: expert id out of range 0..{self._lay().num_experts - 1}")
+
+    def _lay(self) -> RouterLayout:
+        if self.layout is None:
+            raise CaptureError("moe_routes: producer not admitted")
+        return self.layout
+
+    def _dtype(self) -> np.dtype[Any]:
+        return np.dtype("<u1") if self._lay().itemsize == 1 else np.dtype("<u2")
+
+    async def collect(self, final: FinalContext) -> None:
+        if self.native or self.capture_id is None:
+            return
+        if final.engine is None:
+            raise CaptureError("moe_routes: worker path needs the engine at collect time")
+        positions = max(0, final.prompt_token_count + final.completion_token_count - 1)
+        results = await final.engine.worker_call(f"{NAME}.fetch", self.capture_id, self.start, positions)
+        got = [r for r in results if r is not None]
+        if not got:
+            raise CaptureError("moe_routes: no worker recorded rows for this request")
+        r = got[0]
+        lay = self._lay()
+        rows = max(0, positions - self.start)
+        arr = np.frombuffer(r["data"], dtype=np.dtype(r["dtype"])).reshape(r["shape"])
+        if arr.shape != (lay.routers, rows, lay.top_k):
+            raise CaptureError(f"moe_routes: worker rows shape {arr.shape}; expected {(lay.routers, rows, lay.top_k)}")
+        if r.get("missing") is not None:
+            first, count = r["missing"]
+            raise CaptureError(f"moe_routes: {count} positions have no routing rows (first: {first})")
+        self._check_range(arr)
+        self._routes = arr.astype(self._dtype(), copy=False)
+
+    def finalize(self, final: FinalContext) -> tuple[dict[str, Any], list[TensorPart]]:
+        lay = self._lay()
+        rows = max(0, final.prompt_token_count + final.completion_token_count - 1 - self.start)
+        if self._routes is None:
+            raise CaptureError("moe_routes: engine returned no routing data for this request")
+        if self._routes.shape != (lay.routers, rows, lay.top_k):
+            raise CaptureError(
+                f"moe_routes: {self._routes.shape[1]} rows captured; expected prompt + completion - 1 - start = {rows}"
+            )
+        section = {
+            "token_start": self.start,
+            "router_ids": list(lay.router_ids),
+            "expert_counts": [lay.num_experts] * lay.routers,
+            "top_k": lay.top_k,
+            "layout": "router_major",
+            "source": "native" if self.native else "worker_capture",
+        }
+        return section, [TensorPart(f"{NAME}.expert_ids", self._routes)]
+
+    def retained_bytes(self) -> int:
+        return 0 if self._routes is None else int(self._routes.nbytes)
+
+    def release(self) -> None:
+        self._routes = None
+
+
+@hookimpl
+def genartifact_content_producer(name: str, model: ModelInfo) -> MoeRoutes | None:
+    return MoeRoutes(model) if name == NAME else None
+
+
+@hookimpl
+def genartifact_engine_options(options: dict[str, Any]) -> None:
+    """Worker path: route capture cannot see prefix-cached tokens, so prefix caching is turned off unless
+    the engine returns routes natively."""
+    if not options.get("enable_return_routed_experts"):
+        options["enable_prefix_caching"] = False
+
+
+@hookimpl
+def genartifact_worker_init(worker: Any) -> None:
+    from genartifact_route_capture.worker import install
+
+    install(worker)
+
+
+@hookimpl
+def genartifact_worker_call(worker: Any, method: str, args: list[Any]) -> Any:
+    if not method.startswith(NAME + "."):
+        return None
+    from genartifact_route_capture.worker import call
+
+    return call(worker, method[len(NAME) + 1 :], args)
+
+
+def layout_for(cfg: Mapping[str, Any]) -> RouterLayout:
+    """Public helper: the router layout of a HF config dict (see :mod:`.layout`)."""
+    return resolve_layout(cfg)

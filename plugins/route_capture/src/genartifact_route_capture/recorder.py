@@ -1,0 +1,135 @@
+"""Worker-side route recorder, engine-agnostic (numpy only) so it is unit-testable without vLLM.
+
+Rows are attributed by *absolute token position*: a step is described by segments
+``(capture_id, start_position, num_tokens)`` in the order the tokens were flattened into the forward
+batch. Each MoE layer's ``topk_ids [num_tokens_in_step, top_k]`` is copied (as the compact dtype) into a
+step buffer; at step end each segment is scattered into its request's buffer ``[routers, positions, top_k]``.
+Chunked prefill, mixed batches and preemption/recompute are all handled by positions (a recomputed
+position simply overwrites the same row). A per-position ``filled`` mask proves completeness at fetch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class _Req:
+    buf: np.ndarray  # [routers, capacity, top_k]
+    filled: np.ndarray  # bool [capacity]
+    max_pos: int = 0
+
+    def ensure(self, n: int) -> None:
+        cap = self.buf.shape[1]
+        if n <= cap:
+            return
+        new = max(n, 2 * cap, 64)
+        buf = np.zeros((self.buf.shape[0], new, self.buf.shape[2]), self.buf.dtype)
+        buf[:, :cap] = self.buf
+        filled = np.zeros(new, bool)
+        filled[:cap] = self.filled
+        self.buf, self.filled = buf, filled
+
+
+@dataclass
+class RouteRecorder:
+    """Collects rows for flagged requests.
+
+    :param router_ids: decoder-layer ids of the MoE routers, ascending (the router axis order).
+    :param top_k: experts per token.
+    :param dtype: compact dtype of expert ids (``uint8`` for <= 256 experts else ``uint16``).
+    :param max_positions: hard cap on positions per request (the engine's max model length).
+    """
+
+    router_ids: Sequence[int]
+    top_k: int
+    dtype: np.dtype[Any]
+    max_positions: int
+    reqs: dict[str, _Req] = field(default_factory=dict)
+    _segments: list[tuple[str, int, int, int]] = field(default_factory=list)
+    _step: np.ndarray | None = None
+    _seen: set[int] = field(default_factory=set)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self._index = {lid: i for i, lid in enumerate(self.router_ids)}
+
+    def begin_step(self, segments: Sequence[tuple[str | None, int, int]]) -> None:
+        """Describe the step: per scheduled request in batch order ``(capture_id | None, start_pos, n)``.
+        Requests without a capture id occupy rows but are not recorded."""
+        self._segments = []
+        off = 0
+        for cid, start, n in segments:
+            if cid is not None and n > 0:
+                self._segments.append((cid, start, n, off))
+            off += n
+        self._total = off
+        self._step = np.zeros((len(self.router_ids), off, self.top_k), self.dtype) if self._segments else None
+        self._seen = set()
+
+    def on_layer(self, layer_id: int, topk_ids: np.ndarray) -> None:
+        """Record one MoE layer's ``topk_ids`` (``[>= tokens_in_step, top_k]``, padding rows ignored)."""
+        if self._step is None:
+            return
+        i = self._index.get(layer_id)
+        if i is None:
+            return
+        self._step[i] = topk_ids[: self._total]
+        self._seen.add(i)
+
+    def end_step(self) -> None:
+        """Scatter the step's rows to each flagged request by absolute position."""
+        if self._step is None:
+            return
+        if len(self._seen) != len(self.router_ids):
+            # some router produced no rows this step: leave the positions unfilled so fetch reports them
+            for cid, _start, _n, _off in self._segments:
+                self._req(cid)
+            self._step = None
+            return
+        for cid, start, n, off in self._segments:
+            r = self._req(cid)
+            end = min(start + n, self.max_positions)
+            if end <= start:
+                continue
+            r.ensure(end)
+            r.buf[:, start:end] = self._step[:, off : off + (end - start)]
+            r.filled[start:end] = True
+            r.max_pos = max(r.max_pos, end)
+        self._step = None
+        self.steps += 1
+
+    def _req(self, cid: str) -> _Req:
+        r = self.reqs.get(cid)
+        if r is None:
+            r = self.reqs[cid] = _Req(np.zeros((len(self.router_ids), 0, self.top_k), self.dtype), np.zeros(0, bool))
+        return r
+
+    def fetch(self, cid: str, start: int, end: int) -> dict[str, Any] | None:
+        """Pop request ``cid`` and return its rows for positions ``start .. end-1`` as
+        ``{"shape": [routers, n, top_k], "dtype": str, "data": bytes, "missing": [first, count] | None}``
+        (``missing``: first unfilled position in the range and how many are unfilled). None if unknown."""
+        r = self.reqs.pop(cid, None)
+        if r is None:
+            return None
+        end = max(0, min(end, self.max_positions))
+        start = min(max(0, start), end)
+        r.ensure(end)
+        holes = np.nonzero(~r.filled[start:end])[0]
+        data = np.ascontiguousarray(r.buf[:, start:end])
+        return {
+            "shape": list(data.shape),
+            "dtype": data.dtype.str,
+            "data": data.tobytes(),
+            "missing": [start + int(holes[0]), int(holes.size)] if holes.size else None,
+        }
+
+    def discard(self, cid: str) -> bool:
+        return self.reqs.pop(cid, None) is not None
+
+    def retained_bytes(self) -> int:
+        return sum(r.buf.nbytes for r in self.reqs.values())
