@@ -1,0 +1,193 @@
+"""``genartifact`` command line: plugins, generate, inspect, verify, make-tiny-model.
+
+Engine commands import :mod:`genartifact.engine` lazily, so ``plugins``/``inspect``/``verify`` run without vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from genartifact import config as config_mod
+from genartifact.errors import GenartifactError
+from genartifact.logging import configure_logging
+
+
+def _read_object(ref: str, cfg_path: str | None) -> bytes:
+    """Read an object by local path, fsspec URL (``s3://…``, ``memory://…``) or ``profile:key`` of a
+    managed_fsspec profile in the config."""
+    p = Path(ref)
+    if p.exists():
+        return p.read_bytes()
+    if "://" in ref:
+        import fsspec
+
+        with fsspec.open(ref, "rb") as f:
+            return f.read()
+    m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63}):(.+)", ref)
+    if m:
+        cfg = config_mod.load(cfg_path)
+        from genartifact_fsspec_target import open_object, parse_profiles, validate_key
+
+        profiles = parse_profiles(cfg.targets.get("managed_fsspec", {}), cfg.base_dir)
+        if m.group(1) in profiles:
+            return open_object(profiles[m.group(1)], validate_key(m.group(2)))
+    raise GenartifactError(f"object {ref!r} not found: give a file path, an fsspec URL or profile:key")
+
+
+def _summary(art: Any) -> dict[str, Any]:
+    import numpy as np
+
+    m = art.manifest
+    out: dict[str, Any] = {
+        "format": m["format"],
+        "version": m["version"],
+        "byte_count": art.byte_count,
+        "sha256": art.sha256,
+        "contents": m["contents"],
+        "prompt_token_count": m["prompt_token_count"],
+        "completion_token_count": m["completion_token_count"],
+        "header": m["header"],
+        "tensors": [{k: r[k] for k in ("name", "dtype", "shape", "byte_count")} for r in m["tensors"]],
+    }
+    if "moe_routes" in m["sections"]:
+        s = m["sections"]["moe_routes"]
+        routes = art.routes()
+        out["moe_routes"] = {
+            "rows": int(routes.shape[0]),
+            "routers": s["router_ids"],
+            "top_k": s["top_k"],
+            "token_start": s["token_start"],
+            "source": s.get("source"),
+            "first_row": routes[0].tolist() if routes.shape[0] else [],
+        }
+    if "selected_logprobs" in m["sections"]:
+        lp = art.selected_logprobs()
+        finite = lp[np.isfinite(lp)]
+        out["selected_logprobs"] = {
+            "count": int(lp.size),
+            "mean": float(finite.mean()) if finite.size else None,
+            "neg_inf": int(np.isneginf(lp).sum()),
+        }
+    return out
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from genartifact.host import PluginHost
+
+    cfg = config_mod.load(args.config)
+    host = PluginHost(cfg.plugins)
+    rows = host.listing()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{'kind':9} {'name':20} {'distribution':28} {'version':8} enabled")
+        for r in rows:
+            print(f"{r['kind']:9} {r['name']:20} {r['dist']:28} {r['version']:8} {'yes' if r['enabled'] else 'no'}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from genartifact.format import decode
+
+    art = decode(_read_object(args.object, args.config))
+    s = _summary(art)
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        print(f"{s['format']} v{s['version'][0]}.{s['version'][1]}  {s['byte_count']} bytes  sha256 {s['sha256']}")
+        print(f"contents: {', '.join(s['contents'])}; tokens: prompt {s['prompt_token_count']} + completion {s['completion_token_count']}")
+        print(f"engine: {s['header'].get('engine')}  model: {s['header'].get('model', {}).get('name')}")
+        for t in s["tensors"]:
+            print(f"  {t['name']:28} {t['dtype']:4} {str(t['shape']):18} {t['byte_count']} bytes")
+        if "moe_routes" in s:
+            r = s["moe_routes"]
+            print(f"moe_routes: {r['rows']} rows x {len(r['routers'])} routers {r['routers']} x top-{r['top_k']}, "
+                  f"start {r['token_start']}, source {r['source']}; row 0: {r['first_row']}")
+        if "selected_logprobs" in s:
+            lp = s["selected_logprobs"]
+            print(f"selected_logprobs: {lp['count']} values, mean {lp['mean']}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from genartifact.format import decode
+
+    data = _read_object(args.object, args.config)
+    digest = hashlib.sha256(data).hexdigest()
+    if args.sha256 and digest != args.sha256.lower():
+        print(f"FAIL: sha256 {digest} != expected {args.sha256}", file=sys.stderr)
+        return 1
+    decode(data)
+    print(f"OK {len(data)} bytes sha256 {digest}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from genartifact.engine.job import run_generate_cli
+
+    return run_generate_cli(args)
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from genartifact.engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.out, family=args.family)
+    print(f"tiny {args.family} model written to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="genartifact", description=__doc__)
+    ap.add_argument("--log-json", action="store_true", help="JSON log lines instead of console output")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(fn=fn)
+        p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
+        return p
+
+    p = add("plugins", cmd_plugins, "list installed and enabled plugins")
+    p.add_argument("--json", action="store_true")
+    p = add("inspect", cmd_inspect, "decode and summarize an artifact")
+    p.add_argument("object", help="file path, fsspec URL, or profile:key")
+    p.add_argument("--json", action="store_true")
+    p = add("verify", cmd_verify, "check an artifact's SHA-256 and decode it strictly")
+    p.add_argument("object")
+    p.add_argument("--sha256", required=True)
+    p = add("generate", cmd_generate, "run prompts through vLLM and store one artifact per request")
+    p.add_argument("--model", required=True, help="local model directory")
+    p.add_argument("--prompts", required=True, help="JSONL: {\"prompt\": str, ...} per line")
+    p.add_argument("--contents", help="comma list (default: every enabled content plugin)")
+    p.add_argument("--target", default="managed_fsspec:local",
+                   help="KIND:PROFILE shorthand for managed_fsspec, or a JSON target object")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--out", default=None, help="receipts.jsonl path (default: ./artifacts/receipts.jsonl)")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p = add("make-tiny-model", cmd_make_tiny_model, "build a deterministic tiny MoE checkpoint")
+    p.add_argument("out")
+    p.add_argument("--family", choices=["qwen3_moe", "deepseek"], default="qwen3_moe")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(json_lines=args.log_json)
+    try:
+        return int(args.fn(args) or 0)
+    except GenartifactError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

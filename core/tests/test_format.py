@@ -1,0 +1,248 @@
+"""generation_artifact_v1: round trip, determinism, golden vector, strict reader."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+
+from genartifact import format as fmt
+from genartifact.errors import ArtifactFormatError
+
+
+def sample_input(rows_extra: int = 0, logprobs: np.ndarray | None = None) -> fmt.ArtifactInput:
+    p, c, routers, k = 5, 4, 3, 2
+    tokens = np.arange(100, 100 + p + c, dtype=np.uint32)
+    rows = p + c - 1 + rows_extra
+    ids = (np.arange(routers * rows * k) % 8).astype(np.uint8).reshape(routers, rows, k)
+    lp = np.array([-0.5, -1.25, -np.inf, -3.0], np.float32) if logprobs is None else logprobs
+    return fmt.ArtifactInput(
+        token_ids=tokens,
+        prompt_token_count=p,
+        contents=["selected_logprobs", "moe_routes"],
+        sections={
+            "moe_routes": {"token_start": 0, "router_ids": [1, 2, 3], "expert_counts": [8, 8, 8], "top_k": k,
+                           "layout": "router_major", "source": "test"},
+            "selected_logprobs": {"token_start": p},
+        },
+        tensors=[fmt.TensorPart("moe_routes.expert_ids", ids), fmt.TensorPart("selected_logprobs.logprobs", lp)],
+        header={"engine": {"name": "test", "version": "0"}},
+    )
+
+
+# Golden vector: fixed input -> fixed bytes. A change here is a format change (bump the version).
+# The body digest is fixed by the spec; the object digest also depends on the bundled libzstd (level 1).
+GOLDEN_BODY_SHA256 = "6b6ecfb1b5833524922bf8b9d4d129b9679c248e4946459c2d806486332e41c0"
+GOLDEN_SHA256 = "d07b2b38d23461eea57c140c439f140c2e3882d86ae88d01a906fccc295cf96f"
+GOLDEN_BYTES = 426
+
+
+def test_round_trip_and_views_are_zero_copy_readonly():
+    enc = fmt.encode(sample_input())
+    art = fmt.decode(enc.data)
+    assert art.sha256 == enc.sha256 == hashlib.sha256(enc.data).hexdigest()
+    assert art.byte_count == len(enc.data)
+    assert art.contents == ["moe_routes", "selected_logprobs"]
+    assert art.token_ids.dtype == np.dtype("<u4") and art.token_ids.tolist() == list(range(100, 109))
+    routes = art.routes()
+    assert routes.shape == (8, 3, 2) and routes.dtype == np.uint8
+    src = sample_input().tensors[0].array
+    assert np.array_equal(routes, src.transpose(1, 0, 2))
+    lp = art.selected_logprobs()
+    assert lp.dtype == np.float32 and np.isneginf(lp[2]) and lp[1] == np.float32(-1.25)
+    assert not lp.flags.writeable and lp.base is not None  # a view, not a copy
+
+
+def test_deterministic_bytes_and_golden_vector():
+    a, b = fmt.encode(sample_input()), fmt.encode(sample_input())
+    assert a.data == b.data
+    body = zstandard.ZstdDecompressor().decompress(a.data[fmt.PRELUDE_SIZE:])
+    assert hashlib.sha256(body).hexdigest() == GOLDEN_BODY_SHA256
+    assert a.data[: fmt.PRELUDE_SIZE] == b"GENART\x00\x01" + bytes([1, 0, 0, 0, 1, 0, 0, 0])
+    assert (a.sha256, a.byte_count) == (GOLDEN_SHA256, GOLDEN_BYTES)
+
+
+def test_frame_declares_content_size_and_single_frame():
+    enc = fmt.encode(sample_input())
+    params = zstandard.get_frame_parameters(enc.data[fmt.PRELUDE_SIZE:])
+    assert params.content_size == enc.decoded_bytes
+
+
+def test_tensors_aligned_to_64():
+    art = fmt.decode(fmt.encode(sample_input()).data)
+    assert all(r["offset"] % 64 == 0 for r in art.manifest["tensors"])
+
+
+def test_encoded_bound_holds_for_incompressible_data():
+    rng = np.random.default_rng(0)
+    inp = sample_input()
+    inp.token_ids = rng.integers(0, 2**32 - 1, size=200_000, dtype=np.uint32)
+    inp.prompt_token_count = 200_000 - 4
+    inp.sections["selected_logprobs"]["token_start"] = inp.prompt_token_count
+    inp.tensors = [t for t in inp.tensors if t.name != "moe_routes.expert_ids"]
+    inp.contents = ["selected_logprobs"]
+    del inp.sections["moe_routes"]
+    enc = fmt.encode(inp)
+    assert enc.byte_count <= fmt.encoded_size_bound(enc.decoded_bytes)
+
+
+def test_torch_conversion():
+    torch = pytest.importorskip("torch")
+    art = fmt.decode(fmt.encode(sample_input()).data)
+    t = art.to_torch("moe_routes.expert_ids")
+    assert t.dtype == torch.uint8 and tuple(t.shape) == (3, 8, 2)
+
+
+# ------------------------------------------------------------------------------------------------ reader
+
+
+def _body(data: bytes) -> bytearray:
+    return bytearray(zstandard.ZstdDecompressor().decompress(data[fmt.PRELUDE_SIZE:]))
+
+
+def _repack(body: bytes | bytearray, prelude: bytes | None = None) -> bytes:
+    frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(body))
+    return (prelude or fmt.PRELUDE.pack(fmt.MAGIC, 1, 0, 1)) + frame
+
+
+def _with_manifest(data: bytes, mutate) -> bytes:
+    body = _body(data)
+    (mlen,) = struct.unpack_from("<I", body, 0)
+    m = json.loads(body[4 : 4 + mlen])
+    payload = body[fmt.align_up(4 + mlen):]
+    mutate(m)
+    mb = fmt.canonical_json(m)
+    head = struct.pack("<I", len(mb)) + mb
+    return _repack(head + b"\0" * (fmt.align_up(len(head)) - len(head)) + payload)
+
+
+GOOD = fmt.encode(sample_input()).data
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"", "truncated"),
+        (GOOD[:10], "truncated"),
+        (b"XXXXXXXX" + GOOD[8:], "bad magic"),
+        (fmt.PRELUDE.pack(fmt.MAGIC, 2, 0, 1) + GOOD[16:], "major version"),
+        (fmt.PRELUDE.pack(fmt.MAGIC, 1, 7, 1) + GOOD[16:], "minor version"),
+        (fmt.PRELUDE.pack(fmt.MAGIC, 1, 0, 9) + GOOD[16:], "codec"),
+        (GOOD[:13] + b"\x01" + GOOD[14:], "reserved"),
+        (GOOD[:-5], "truncated zstd frame|corrupt"),
+        (GOOD + b"\x00", "trailing data|corrupt"),
+        (GOOD + GOOD[16:], "trailing data"),
+        (GOOD[:16] + b"\x00" * 20, "invalid zstd frame|content size"),
+    ],
+    ids=["empty", "short", "magic", "major", "minor", "codec", "reserved", "truncated", "trailing-byte",
+         "extra-frame", "garbage-frame"],
+)
+def test_reader_rejects_bad_objects(data, match):
+    with pytest.raises(ArtifactFormatError, match=match):
+        fmt.decode(data)
+
+
+def test_reader_rejects_frame_without_declared_size():
+    body = _body(GOOD)
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(body))
+    with pytest.raises(ArtifactFormatError, match="content size"):
+        fmt.decode(GOOD[:16] + frame)
+
+
+def test_reader_checks_declared_size_before_allocating():
+    # a 1 GiB frame of zeros compresses to a few KiB; the reader must refuse it from the header alone
+    cobj = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    frame = cobj.compress(b"\0" * (fmt.MAX_DECODED_BYTES + 1))
+    with pytest.raises(ArtifactFormatError, match="exceeds limit"):
+        fmt.decode(GOOD[:16] + frame)
+    with pytest.raises(ArtifactFormatError, match="exceeds limit"):
+        fmt.decode(GOOD, max_decoded_bytes=100)
+
+
+def test_reader_rejects_non_canonical_manifest():
+    body = _body(GOOD)
+    (mlen,) = struct.unpack_from("<I", body, 0)
+    m = json.loads(body[4 : 4 + mlen])
+    pretty = json.dumps(m, sort_keys=True, separators=(",", ":")).replace(":", ": ", 1).encode()
+    payload = body[fmt.align_up(4 + mlen):]
+    head = struct.pack("<I", len(pretty)) + pretty
+    with pytest.raises(ArtifactFormatError, match="canonical"):
+        fmt.decode(_repack(head + b"\0" * (fmt.align_up(len(head)) - len(head)) + payload))
+
+
+def test_reader_rejects_nonzero_padding():
+    body = _body(GOOD)
+    (mlen,) = struct.unpack_from("<I", body, 0)
+    assert fmt.align_up(4 + mlen) > 4 + mlen
+    body[4 + mlen] = 1
+    with pytest.raises(ArtifactFormatError, match="padding"):
+        fmt.decode(_repack(body))
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda m: m["tensors"][1].__setitem__("offset", m["tensors"][1]["offset"] - 8), "overlap or gap"),
+        (lambda m: m["tensors"][1].__setitem__("offset", m["tensors"][1]["offset"] + 64), "overlap or gap"),
+        (lambda m: m["tensors"][1].__setitem__("byte_count", 1), "byte_count"),
+        (lambda m: m["tensors"][1].__setitem__("dtype", "f64"), "dtype"),
+        (lambda m: m.__setitem__("extra", 1), "manifest keys"),
+        (lambda m: m.__setitem__("completion_token_count", 3), "equal len"),
+        (lambda m: m["sections"]["moe_routes"].__setitem__("expert_counts", [8, 8, 2]), "out of range for router 3"),
+        (lambda m: m["sections"]["moe_routes"].__setitem__("router_ids", [3, 2, 1]), "ascending"),
+        (lambda m: m["sections"]["moe_routes"].__setitem__("top_k", 3), "top_k"),
+        (lambda m: m["sections"]["moe_routes"].__setitem__("token_start", 1), "rows"),
+        (lambda m: m["sections"]["selected_logprobs"].__setitem__("token_start", 0), "token_start"),
+        (lambda m: m.__setitem__("version", [1, 1]), "format/version"),
+        (lambda m: m["tensors"].reverse(), "start with token_ids"),
+    ],
+    ids=["overlap", "gap", "byte-count", "dtype", "extra-key", "token-count", "expert-range", "router-order",
+         "top-k", "rows", "logprob-start", "version", "order"],
+)
+def test_reader_rejects_bad_manifests(mutate, match):
+    with pytest.raises(ArtifactFormatError, match=match):
+        fmt.decode(_with_manifest(GOOD, mutate))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_and_positive_inf_logprobs_are_refused_not_nulled(bad):
+    lp = np.array([-0.5, bad, -1.0, -2.0], np.float32)
+    with pytest.raises(ArtifactFormatError, match=r"selected_logprobs\[1\]"):
+        fmt.encode(sample_input(logprobs=lp))
+
+
+def test_nan_in_stored_object_is_rejected_by_reader():
+    enc = fmt.encode(sample_input())
+    body = _body(enc.data)
+    art = fmt.decode(enc.data)
+    ref = next(r for r in art.manifest["tensors"] if r["name"] == "selected_logprobs.logprobs")
+    (mlen,) = struct.unpack_from("<I", body, 0)
+    off = fmt.align_up(4 + mlen) + ref["offset"]
+    body[off : off + 4] = np.array([np.nan], np.float32).tobytes()
+    with pytest.raises(ArtifactFormatError, match="only finite values and -inf"):
+        fmt.decode(_repack(body))
+
+
+def test_encoder_rejects_wrong_row_count_and_dtype():
+    with pytest.raises(ArtifactFormatError, match="rows"):
+        fmt.encode(sample_input(rows_extra=1))
+    inp = sample_input()
+    inp.tensors = [fmt.TensorPart("moe_routes.expert_ids", inp.tensors[0].array.astype(np.uint16)), inp.tensors[1]]
+    with pytest.raises(ArtifactFormatError, match="dtype must be u8"):
+        fmt.encode(inp)
+
+
+def test_route_layout_compresses_better_than_token_major():
+    """Router-major per-layer streams vs token-major rows, on skewed synthetic routes."""
+    rng = np.random.default_rng(1)
+    routers, rows, k, experts = 16, 4000, 4, 64
+    pops = [rng.dirichlet(np.full(experts, 0.3)) for _ in range(routers)]
+    ids = np.stack([rng.choice(experts, size=(rows, k), p=p) for p in pops]).astype(np.uint8)  # [R, rows, k]
+    c = zstandard.ZstdCompressor(level=1)
+    router_major = len(c.compress(ids.tobytes()))
+    token_major = len(c.compress(ids.transpose(1, 0, 2).copy().tobytes()))
+    assert router_major < token_major
