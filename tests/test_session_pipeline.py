@@ -1,0 +1,406 @@
+"""Request spec, admission, capture bounds, finalize, cancellation and the bounded pipeline (no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+
+from genartifact import format as fmt
+from genartifact.config import DEFAULT_TOML, parse
+from genartifact.errors import AdmissionError, ConfigError, RequestSpecError, TargetError, UnknownPluginError
+from genartifact.host import PluginHost
+from genartifact.session import ArtifactSession
+from genartifact.spec import parse_request
+from genartifact.types import Delta, ModelInfo
+
+QWEN = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": []}
+MODEL = ModelInfo("tiny", QWEN, "vllm", "0.32.0", {"worker_extension": True, "enable_prefix_caching": False,
+                                                    "logprobs_mode": "raw_logprobs"})
+SETTINGS = {"managed_fsspec": {"profiles": {"mem": {"url": "memory://ga-test", "allowed_prefixes": ["runs/"]},
+                                            "tiny": {"url": "memory://ga-tiny", "allowed_prefixes": ["runs/"],
+                                                     "max_bytes": 2000}}}}
+
+
+@pytest.fixture(scope="module")
+def host():
+    return PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
+
+
+def spec(contents=("selected_logprobs",), profile="mem", key=None, **target):
+    t = {"kind": "managed_fsspec", "profile": profile, "object_key": key or f"runs/{uuid.uuid4().hex}.gart", **target}
+    return {"format": "generation_artifact_v1", "contents": list(contents), "codec": "zstd",
+            "delivery": {"mode": "object_store", "target": t}}
+
+
+def session(host, s=None, model=MODEL, n=1):
+    return ArtifactSession.for_request(host, parse_request(s or spec(), n=n), model, SETTINGS)
+
+
+class FakeEngine:
+    """Stands in for the worker RPC: serves rows for positions [start, end)."""
+
+    def __init__(self, routes: np.ndarray | None, missing=None):
+        self.routes, self.missing, self.calls = routes, missing, []
+
+    async def worker_call(self, method, *args):
+        self.calls.append((method, args))
+        if self.routes is None:
+            return [None]
+        _cid, start, end = args
+        d = np.ascontiguousarray(self.routes[:, start:end])
+        return [{"shape": list(d.shape), "dtype": d.dtype.str, "data": d.tobytes(), "missing": self.missing}]
+
+
+def lp(tokens, value=-0.5):
+    return [{t: value, t + 1: -9.0} for t in tokens]
+
+
+def mem_exists(object_id):
+    profile, key = object_id.split(":", 1)
+    root = SETTINGS["managed_fsspec"]["profiles"][profile]["url"]
+    return fsspec.filesystem("memory").exists(f"{root.split('://')[1]}/{key}")
+
+
+# ---------------------------------------------------------------------------------------- happy paths
+
+
+async def test_logprobs_only_round_trip(host):
+    s = session(host)
+    s.admit(3, 4, sampling={"temperature": 1.0})
+    params = s.sampling_overrides({})
+    assert params["logprobs"] == 0
+    s.record(Delta([1, 2, 3], [10, 11], lp([10, 11], -0.25)))
+    s.record(Delta([1, 2, 3], [12], [{12: -np.inf}], finished=True))
+    r = await s.finalize()
+    assert r["state"] == "ready" and r["contents"] == ["selected_logprobs"]
+    art = fmt.decode(fsspec.open(f"memory://ga-test/{r['object_id'].split(':', 1)[1]}", "rb").open().read())
+    assert art.sha256 == r["sha256"] and art.byte_count == r["byte_count"]
+    assert art.token_ids.tolist() == [1, 2, 3, 10, 11, 12]
+    assert art.selected_logprobs().tolist() == [-0.25, -0.25, -np.inf]
+    assert art.manifest["header"]["sampling"]["logprobs_mode"] == "raw_logprobs"
+    s.release()
+
+
+async def test_routes_via_worker_path_with_start(host):
+    s = session(host, spec(["moe_routes", "selected_logprobs"]))
+    s.admit(4, 3, routes_start=2)
+    params = s.sampling_overrides({"logprobs": 3})
+    assert params["logprobs"] == 3 and "genartifact_capture_id" in params["extra_args"]
+    s.record(Delta([1, 2, 3, 4], [5, 6, 7], lp([5, 6, 7]), finished=True))
+    full = (np.arange(4 * 6 * 2) % 8).astype(np.uint8).reshape(4, 6, 2)  # positions 0..5 (P + C - 1 = 6)
+    eng = FakeEngine(full)
+    r = await s.finalize(eng)
+    assert r["state"] == "ready", r
+    assert eng.calls == [("moe_routes.fetch", (params["extra_args"]["genartifact_capture_id"], 2, 6))]
+    art = fmt.decode(fsspec.open(f"memory://ga-test/{r['object_id'].split(':', 1)[1]}", "rb").open().read())
+    assert art.routes().shape == (4, 4, 2)
+    assert np.array_equal(art.routes(), full[:, 2:].transpose(1, 0, 2))
+    assert art.manifest["sections"]["moe_routes"]["token_start"] == 2
+
+
+async def test_native_routes_drop_dense_layers_and_narrow_dtype(host):
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "first_k_dense_replace": 1}
+    model = ModelInfo("ds", cfg, engine_options={"native_routed_experts": True})
+    s = session(host, spec(["moe_routes"]), model=model)
+    s.admit(3, 2)
+    native = np.zeros((4, 3, 2), np.int64)
+    native[:, 1:, :] = 7
+    s.record(Delta([1, 2, 3], [4], None))
+    s.record(Delta([1, 2, 3], [5], None, routed_experts=native, finished=True))
+    assert s.retained_bytes() == 4 * 5 + 4 * 2 * 2  # tokens (uint32) + canonical uint8 routes
+    r = await s.finalize()
+    art = fmt.decode(fsspec.open(f"memory://ga-test/{r['object_id'].split(':', 1)[1]}", "rb").open().read())
+    assert art.manifest["sections"]["moe_routes"]["router_ids"] == [1, 2]
+    assert art.routes().dtype == np.uint8 and (art.routes() == 7).all()
+
+
+# ---------------------------------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda s: s.update(format="generation_artifact_v2"), "format"),
+        (lambda s: s.update(codec="gzip"), "codec"),
+        (lambda s: s.update(contents=[]), "non-empty"),
+        (lambda s: s.update(contents=["moe_routes", "moe_routes"]), "duplicates"),
+        (lambda s: s.update(contents=[3]), "content names"),
+        (lambda s: s.update(extra=1), "unknown key"),
+        (lambda s: s["delivery"].update(mode="inline"), "delivery.mode"),
+        (lambda s: s["delivery"].update(target="s3://x"), "target must be an object"),
+        (lambda s: s.pop("delivery"), "missing"),
+    ],
+    ids=["format", "codec", "empty", "dup", "non-str", "extra", "mode", "target", "missing"],
+)
+def test_spec_rejects(mutate, match):
+    s = spec()
+    mutate(s)
+    with pytest.raises(RequestSpecError, match=match):
+        parse_request(s)
+
+
+def test_n_must_be_one():
+    with pytest.raises(RequestSpecError, match="n=1"):
+        parse_request(spec(), n=2)
+
+
+def test_unknown_content_fails_fast_with_suggestion(host):
+    with pytest.raises(UnknownPluginError, match="unknown content 'moe_route'.*did you mean 'moe_routes'"):
+        session(host, spec(["moe_route"]))
+
+
+def test_unknown_target_kind(host):
+    s = spec()
+    s["delivery"]["target"] = {"kind": "presigned_http_put"}
+    with pytest.raises(UnknownPluginError, match="unknown target 'presigned_http_put'"):
+        session(host, s)
+
+
+@pytest.mark.parametrize(
+    "target, match",
+    [
+        ({"profile": "nope"}, "profile 'nope' unknown"),
+        ({"key": "../etc/passwd"}, "normalized"),
+        ({"key": "/abs/key"}, "relative"),
+        ({"key": "runs\\x"}, "backslash"),
+        ({"key": "other/x.gart"}, "outside the profile"),
+        ({"key": "runs/a//b"}, "normalized"),
+        ({"key": "runs/" + "a" * 1100}, "at most 1024"),
+        ({"extra_field": 1}, "unknown key"),
+    ],
+    ids=["profile", "dotdot", "absolute", "backslash", "prefix", "empty-seg", "long", "extra"],
+)
+def test_target_validation_is_specific_and_side_effect_free(host, target, match):
+    s = spec(profile=target.pop("profile", "mem"), key=target.pop("key", None), **target)
+    sess = session(host, s)
+    before = sorted(fsspec.filesystem("memory").find("/"))
+    with pytest.raises(TargetError, match=match):
+        sess.admit(3, 4)
+    assert sorted(fsspec.filesystem("memory").find("/")) == before
+
+
+def test_admission_rejects_over_decoded_limit(host, monkeypatch):
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "9000")
+    with pytest.raises(AdmissionError, match="limit 9000 bytes"):
+        session(host).admit(100, 200)
+
+
+def test_decoded_limit_can_only_be_lowered(host, monkeypatch):
+    from genartifact.errors import ConfigError as CE
+
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", str(128 << 20))
+    with pytest.raises(CE, match="GENARTIFACT_MAX_DECODED_BYTES"):
+        session(host).admit(3, 4)
+
+
+def test_admission_rejects_over_target_max_bytes(host):
+    with pytest.raises(AdmissionError, match="target max_bytes is 2000"):
+        session(host, spec(profile="tiny")).admit(10, 10)
+
+
+def test_admission_worst_case_routes_large_model(host):
+    big = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8}
+    model = ModelInfo("big", big, engine_options={"worker_extension": True})
+    s = session(host, spec(["moe_routes"]), model=model)
+    with pytest.raises(AdmissionError, match="worst-case decoded"):
+        s.admit(8192, 200_000)
+    s.admit(8192, 32768)  # 48 x 8 x 40959 x 1 B ~ 15.7 MB fits 64 MiB
+    assert 48 * 8 * 40959 < s.budget < 64 << 20
+
+
+@pytest.mark.parametrize("start", [-1, True, 1.5])
+def test_invalid_routes_start(host, start):
+    with pytest.raises(AdmissionError, match="routed_experts_prompt_start"):
+        session(host, spec(["moe_routes"])).admit(3, 4, routes_start=start)
+
+
+def test_moe_routes_without_route_source_names_the_setting(host):
+    model = ModelInfo("x", QWEN, engine_options={})
+    with pytest.raises(AdmissionError, match="enable_return_routed_experts.*worker_extension_cls"):
+        session(host, spec(["moe_routes"]), model=model).admit(3, 4)
+
+
+def test_moe_routes_refuses_prefix_caching_on_worker_path(host):
+    model = ModelInfo("x", QWEN, engine_options={"worker_extension": True, "enable_prefix_caching": True})
+    with pytest.raises(AdmissionError, match="enable_prefix_caching=False"):
+        session(host, spec(["moe_routes"]), model=model).admit(3, 4)
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"model_type": "llama"}, "no known router layout"),
+        ({"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts_per_tok": 2}, "no routed expert count"),
+        ({"model_type": "mixtral", "num_hidden_layers": 2, "num_local_experts": 8, "num_experts": 4,
+          "num_experts_per_tok": 2}, "conflicting"),
+        ({"model_type": "mixtral", "num_hidden_layers": 2, "num_local_experts": 2, "num_experts_per_tok": 4}, "exceeds"),
+        ({"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+          "mlp_only_layers": [0, 1]}, "no MoE layer"),
+    ],
+    ids=["family", "missing", "conflict", "topk", "no-moe"],
+)
+def test_router_layout_metadata_rejected(host, cfg, match):
+    model = ModelInfo("x", cfg, engine_options={"worker_extension": True})
+    with pytest.raises(AdmissionError, match=match):
+        session(host, spec(["moe_routes"]), model=model).admit(3, 4)
+
+
+async def test_capture_rejects_prompt_change_and_overlong_completion(host):
+    from genartifact.errors import CaptureError
+
+    s = session(host)
+    s.admit(3, 2)
+    s.sampling_overrides({})
+    with pytest.raises(CaptureError, match="admitted 3"):
+        s.record(Delta([1, 2], [5], lp([5])))
+    s.record(Delta([1, 2, 3], [5], lp([5])))
+    with pytest.raises(CaptureError, match="prompt length changed"):
+        s.record(Delta([1, 2, 3, 4], [6], lp([6])))
+    with pytest.raises(CaptureError, match="admitted max_tokens 2"):
+        s.record(Delta([1, 2, 3], [6, 7], lp([6, 7])))
+
+
+def test_sampled_token_missing_from_engine_logprobs(host):
+    from genartifact.errors import CaptureError
+
+    s = session(host)
+    s.admit(1, 3)
+    s.record(Delta([1], [7], [{99: -0.1, 7: -2.0}]))
+    with pytest.raises(CaptureError, match="sampled token 8 missing"):
+        s.record(Delta([1], [8], [{99: -0.1, 7: -2.0}]))
+
+
+async def test_logprob_lookup_values(host):
+    s = session(host)
+    s.admit(1, 2)
+    s.record(Delta([1], [7, 8], [{99: -0.1, 7: -2.0}, {8: -3.5, 99: -0.2}], finished=True))
+    r = await s.finalize()
+    art = fmt.decode(fsspec.open(f"memory://ga-test/{r['object_id'].split(':', 1)[1]}", "rb").open().read())
+    assert art.selected_logprobs().tolist() == [-2.0, -3.5]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+async def test_non_finite_engine_logprob_rejected(host, value):
+    from genartifact.errors import CaptureError
+
+    s = session(host)
+    s.admit(1, 2)
+    with pytest.raises(CaptureError, match="allowed finite or -inf"):
+        s.record(Delta([1], [7], [{7: value}]))
+
+
+async def test_missing_worker_rows_fail_receipt_and_store_nothing(host):
+    s = session(host, spec(["moe_routes"]))
+    s.admit(4, 3)
+    s.sampling_overrides({})
+    s.record(Delta([1, 2, 3, 4], [5, 6], None, finished=True))
+    full = np.zeros((4, 5, 2), np.uint8)
+    r = await s.finalize(FakeEngine(full, missing=[0, 2]))
+    assert r == {"format": "generation_artifact_v1", "contents": ["moe_routes"], "state": "failed",
+                 "error_code": "capture_invalid", "error": "captured engine data violated the admitted bounds"}
+    key = s.request.target["object_key"]
+    assert not mem_exists(f"mem:{key}")
+
+
+async def test_out_of_range_worker_expert_id_fails(host):
+    s = session(host, spec(["moe_routes"]))
+    s.admit(2, 1)
+    s.sampling_overrides({})
+    s.record(Delta([1, 2], [3], None, finished=True))
+    r = await s.finalize(FakeEngine(np.full((4, 2, 2), 8, np.uint8)))
+    assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+
+
+async def test_second_write_to_same_key_fails_and_keeps_first(host):
+    key = f"runs/{uuid.uuid4().hex}.gart"
+    receipts = []
+    for v in (-0.5, -0.75):
+        s = session(host, spec(key=key))
+        s.admit(1, 1)
+        s.record(Delta([1], [2], [{2: v}], finished=True))
+        receipts.append(await s.finalize())
+    assert receipts[0]["state"] == "ready"
+    assert receipts[1]["state"] == "failed" and receipts[1]["error_code"] == "object_exists"
+    data = fsspec.open(f"memory://ga-test/{key}", "rb").open().read()
+    assert fmt.decode(data).selected_logprobs().tolist() == [-0.5]
+
+
+def test_release_clears_everything(host):
+    s = session(host)
+    s.admit(2, 2)
+    s.record(Delta([1, 2], [3], lp([3])))
+    assert s.retained_bytes() > 0
+    s.release()
+    assert s.retained_bytes() == 0 and s.budget == 0 and s.prompt_token_count == 0
+    from genartifact.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="not admitted"):
+        s.record(Delta([1, 2], [3], lp([3])))
+
+
+# ---------------------------------------------------------------------------------------- pipeline
+
+
+class SlowTarget:
+    kind = "managed_fsspec"
+
+    def __init__(self, inner, delay=0.05):
+        self.inner, self.delay, self.active, self.peak, self.done = inner, delay, 0, 0, 0
+
+    def validate(self, spec):
+        return self.inner.validate(spec)
+
+    async def deliver(self, target, data, sha256):
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await asyncio.sleep(self.delay)
+            return await self.inner.deliver(target, data, sha256)
+        finally:
+            self.active -= 1
+            self.done += 1
+
+
+def slow_session(host, slow):
+    s = session(host)
+    s._target = slow
+    s.admit(1, 1)
+    s.record(Delta([1], [2], [{2: -1.0}], finished=True))
+    return s
+
+
+async def test_pipeline_concurrency_bounded_and_cancellation_semantics(host, monkeypatch):
+    monkeypatch.setenv("GENARTIFACT_PIPELINE_CONCURRENCY", "2")
+    host._pipelines.clear()
+    slow = SlowTarget(session(host)._target, delay=0.1)
+    sessions = [slow_session(host, slow) for _ in range(6)]
+    tasks = [asyncio.ensure_future(s.finalize()) for s in sessions]
+    await asyncio.sleep(0.03)  # two have started (hold slots), four are queued
+    for t in tasks:
+        t.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    await asyncio.sleep(0.3)
+    assert slow.peak == 2
+    assert slow.done == 2  # started ones finished in the background, queued ones never started
+    sem = host.pipeline()
+    assert sem._value == 2  # no slot leaked
+    stored = [s for s in sessions if mem_exists(f"mem:{s.request.target['object_key']}")]
+    assert len(stored) == 2
+
+
+def test_config_default_and_errors(tmp_path):
+    cfg = parse(DEFAULT_TOML, source="default", base_dir=tmp_path)
+    assert cfg.plugins["contents"] == ["moe_routes", "selected_logprobs"]
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['sinks'\] in \[plugins\]"):
+        parse("[plugins]\nsinks=[]", source="x", base_dir=tmp_path)
+    with pytest.raises(ConfigError, match="lists a name twice"):
+        parse("[plugins]\ncontents=['a','a']", source="x", base_dir=tmp_path)
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        parse("[plugins", source="x", base_dir=tmp_path)
