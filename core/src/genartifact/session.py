@@ -85,6 +85,7 @@ class ArtifactSession:
         self._header: dict[str, Any] = {}
         self._finished = False
         self.peak_retained = 0
+        self.failed_code: str | None = None
 
     @classmethod
     def for_request(cls, host: PluginHost, request: ArtifactRequest, model: ModelInfo,
@@ -205,6 +206,19 @@ class ArtifactSession:
         self._check_budget()
         self._finished = delta.finished
 
+    def record_or_fail(self, delta: Delta) -> None:
+        """Like :meth:`record`, but a :class:`CaptureError` marks the artifact failed (``capture_invalid``)
+        and drops retained data instead of raising, so generation continues. Later deltas are ignored."""
+        if self.failed_code is not None:
+            return
+        try:
+            self.record(delta)
+        except CaptureError as e:
+            log.warning("artifact_capture_invalid", error=str(e), contents=sorted(self.request.contents))
+            self.failed_code = "capture_invalid"
+            for p in self._producers:
+                p.release()
+
     def _check_budget(self) -> None:
         retained = self.retained_bytes()
         self.peak_retained = max(self.peak_retained, retained)
@@ -229,6 +243,8 @@ class ArtifactSession:
         already started it keeps running in the background (holding its pipeline slot) until done.
         """
         self._require_admitted()
+        if self.failed_code is not None:
+            return failed_receipt(self.request, self.failed_code)
         final = FinalContext(self.prompt_token_count, len(self._completion), engine)
         try:
             for p in self._producers:
@@ -304,6 +320,19 @@ class ArtifactSession:
         finally:
             sem.release()
 
+    async def aclose(self, engine: Any = None) -> None:
+        """Release engine-side state (producers' optional ``discard(engine)``), then :meth:`release`."""
+        try:
+            for p in self._producers:
+                discard = getattr(p, "discard", None)
+                if discard is not None:
+                    try:
+                        await discard(engine)
+                    except Exception as e:  # noqa: BLE001 - cleanup must not mask the request outcome
+                        log.warning("artifact_discard_failed", content=p.name, error_type=type(e).__name__)
+        finally:
+            self.release()
+
     def release(self) -> None:
         """Clear tokens, producer state, counters and admission state. Idempotent."""
         for p in self._producers:
@@ -313,6 +342,7 @@ class ArtifactSession:
         self._validated = None
         self.prompt_token_count = self.max_tokens = self.budget = self.encoded_bound = 0
         self._finished = False
+        self.failed_code = None
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

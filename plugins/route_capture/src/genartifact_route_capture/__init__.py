@@ -52,6 +52,7 @@ class MoeRoutes:
         self.start = 0
         self._max_rows = 0
         self._routes: np.ndarray | None = None  # router-major [routers, rows, top_k]
+        self._fetched = False
 
     # admission ------------------------------------------------------------------------------------
     def admit(self, ctx: AdmissionContext) -> int:
@@ -124,6 +125,7 @@ class MoeRoutes:
         if final.engine is None:
             raise CaptureError("moe_routes: worker path needs the engine at collect time")
         positions = max(0, final.prompt_token_count + final.completion_token_count - 1)
+        self._fetched = True  # fetch pops the worker's rows
         results = await final.engine.worker_call(f"{NAME}.fetch", self.capture_id, self.start, positions)
         got = [r for r in results if r is not None]
         if not got:
@@ -139,6 +141,12 @@ class MoeRoutes:
             raise CaptureError(f"moe_routes: {count} positions have no routing rows (first: {first})")
         self._check_range(arr)
         self._routes = arr.astype(self._dtype(), copy=False)
+
+    async def discard(self, engine: Any) -> None:
+        """Drop worker-side rows not fetched (request failed or was cancelled). Idempotent."""
+        if self.capture_id is not None and not self._fetched and engine is not None:
+            self._fetched = True
+            await engine.worker_call(f"{NAME}.discard", self.capture_id)
 
     def finalize(self, final: FinalContext) -> tuple[dict[str, Any], list[TensorPart]]:
         lay = self._lay()

@@ -1,0 +1,190 @@
+"""vLLM adapter: start an ``AsyncLLM`` with the genartifact worker extension, convert vLLM outputs to
+engine-neutral :class:`~genartifact.types.Delta` objects, and run one request with its artifact session.
+
+Imports vllm at module import: import this module lazily (only engine commands and engine tests do).
+The ``AsyncLLM`` must be created from a ``if __name__ == "__main__":`` guarded entry point (vLLM spawns
+its engine-core and worker processes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from genartifact.engine.worker_ext import ENV_CONTENTS, QUALNAME
+from genartifact.host import PluginHost
+from genartifact.session import ArtifactSession
+from genartifact.spec import parse_request
+from genartifact.types import Delta, ModelInfo
+
+log = structlog.get_logger("genartifact.engine")
+
+#: Engine defaults for the CPU build: fp32, eager mode, 1 GiB KV cache (set before engine start).
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome: token ids, the engine's per-token logprob dicts, and the artifact receipt."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    receipt: dict[str, Any] | None
+    finish_reason: str | None
+
+
+def _sample_logprobs(lps: Any, n: int) -> list[dict[int, Any]] | None:
+    if lps is None:
+        return None
+    return [lps[i] for i in range(n)] if n else []
+
+
+class VllmEngine:
+    """One vLLM ``AsyncLLM`` plus the genartifact plugin host.
+
+    :param host: the plugin host (enabled content plugins adjust engine options and run in workers).
+    :param model: local model directory.
+    :param engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``max_num_batched_tokens``).
+    """
+
+    def __init__(self, host: PluginHost, model: str | os.PathLike[str], **engine_kwargs: Any) -> None:
+        self.host = host
+        self.model_dir = str(Path(model).resolve())
+        self.engine_kwargs = engine_kwargs
+        self.llm: Any = None
+        self.model_info: ModelInfo | None = None
+        self.tokenizer: Any = None
+
+    async def start(self) -> VllmEngine:
+        """Start the engine (about 20 s on CPU) and initialise the worker extension."""
+        for k, v in CPU_ENV.items():
+            os.environ.setdefault(k, v)
+        os.environ[ENV_CONTENTS] = json.dumps([p.name for p in self.host.enabled["contents"]])
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        opts: dict[str, Any] = {
+            "model": self.model_dir,
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 2048,
+            "enable_prefix_caching": False,
+            "disable_log_stats": True,
+        }
+        opts.update(self.engine_kwargs)
+        user_ext = opts.get("worker_extension_cls")
+        if user_ext and user_ext != QUALNAME:
+            log.warning("worker_extension_in_use", cls=user_ext,
+                        detail="genartifact worker capture disabled; moe_routes needs the native path")
+        else:
+            opts["worker_extension_cls"] = QUALNAME
+        self.host.hooks.engine_options(options=opts)
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**opts))
+        vcfg = self.llm.vllm_config
+        mc = vcfg.model_config
+        hf = mc.hf_text_config.to_dict()
+        import vllm
+
+        self.model_info = ModelInfo(
+            name=Path(self.model_dir).name,
+            hf_config=hf,
+            engine_name="vllm",
+            engine_version=vllm.__version__,
+            engine_options={
+                "enable_prefix_caching": bool(vcfg.cache_config.enable_prefix_caching),
+                "worker_extension": vcfg.parallel_config.worker_extension_cls == QUALNAME,
+                "native_routed_experts": bool(_native_routes_enabled(vcfg)),
+                "logprobs_mode": str(getattr(mc, "logprobs_mode", "raw_logprobs")),
+                "max_model_len": int(mc.max_model_len),
+            },
+            config_sha256=hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest(),
+        )
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        if self.model_info.engine_options["worker_extension"]:
+            await self.worker_call("init")
+        log.info("engine_started", model=self.model_info.name, vllm=vllm.__version__, **self.model_info.engine_options)
+        return self
+
+    async def worker_call(self, method: str, *args: Any) -> list[Any]:
+        """Run the genartifact worker hook ``method`` on every worker via ``collective_rpc``."""
+        return await self.llm.collective_rpc("genartifact_call", args=(method, *args))
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    async def stream(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
+                     request_id: str | None = None) -> AsyncIterator[tuple[Delta, Any]]:
+        """Generate with ``RequestOutputKind.DELTA`` and yield ``(Delta, vllm CompletionOutput)``."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**dict(sampling), output_kind=RequestOutputKind.DELTA)
+        rid = request_id or uuid.uuid4().hex
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, rid):
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            yield Delta(
+                prompt_token_ids=out.prompt_token_ids or prompt_token_ids,
+                new_token_ids=ids,
+                new_logprobs=_sample_logprobs(c.logprobs, len(ids)),
+                routed_experts=getattr(c, "routed_experts", None),
+                finished=bool(out.finished),
+            ), c
+
+    async def run(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
+                  artifact: Mapping[str, Any] | None, target_settings: Mapping[str, Mapping[str, Any]],
+                  routes_start: int = 0) -> RequestResult:
+        """Run one request; with ``artifact`` (a request spec dict) admit before inference, capture every
+        delta, finalize and return the receipt. Admission errors propagate (before the engine does any
+        work); artifact failures after admission give a failed receipt, never a failed generation."""
+        assert self.model_info is not None, "engine not started"
+        sampling = dict(sampling)
+        user_logprobs = sampling.get("logprobs")
+        session = None
+        if artifact is not None:
+            req = parse_request(artifact, n=int(sampling.pop("n", 1)))
+            session = ArtifactSession.for_request(self.host, req, self.model_info, target_settings)
+            session.admit(len(prompt_token_ids), int(sampling.get("max_tokens", 16)),
+                          routes_start=routes_start, sampling=sampling)
+            session.sampling_overrides(sampling)
+        completion: list[int] = []
+        logprobs: list[dict[int, float]] = []
+        finish = None
+        try:
+            async for delta, c in self.stream(prompt_token_ids, sampling):
+                completion.extend(delta.new_token_ids)
+                if delta.new_logprobs is not None:
+                    logprobs.extend({int(k): float(v.logprob) for k, v in d.items()} for d in delta.new_logprobs)
+                if session is not None:
+                    session.record_or_fail(delta)
+                finish = c.finish_reason or finish
+            receipt = await session.finalize(self) if session is not None else None
+        finally:
+            if session is not None:
+                await session.aclose(self)
+        return RequestResult(list(prompt_token_ids), completion,
+                             logprobs if (user_logprobs is not None or session is not None) else None, receipt, finish)
+
+
+def _native_routes_enabled(vcfg: Any) -> bool:
+    aux = getattr(vcfg, "aux_output_config", None)
+    if aux is not None and getattr(aux, "enable_return_routed_experts", False):
+        return True
+    return bool(getattr(vcfg.model_config, "enable_return_routed_experts", False))
+
+
+def _load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,39 @@
+"""The single genartifact vLLM worker extension (``worker_extension_cls``).
+
+vLLM allows one extension class per engine; it is mixed into the worker class, so ``self`` is the worker.
+Each enabled content plugin adds worker-side behaviour through the ``genartifact_worker_init`` /
+``genartifact_worker_call`` hooks. The enabled plugin list reaches the (spawned) worker processes through
+the ``GENARTIFACT_WORKER_CONTENTS`` environment variable (JSON list), set by the engine adapter before the
+engine starts. ``init_worker_extension`` is not called by the CPU worker in vLLM 0.32, so initialisation
+is lazy: the adapter calls ``genartifact_call("init")`` once after engine start, before any request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+QUALNAME = "genartifact.engine.worker_ext.GenartifactWorkerExtension"
+ENV_CONTENTS = "GENARTIFACT_WORKER_CONTENTS"
+
+
+class GenartifactWorkerExtension:
+    """Mixin for vLLM workers. Attribute names are prefixed to avoid clashing with worker attributes."""
+
+    def genartifact_call(self, method: str, *args: Any) -> Any:
+        """Dispatch worker RPC ``method`` to the enabled content plugins (``"init"`` initialises only)."""
+        host = getattr(self, "_genartifact_host", None)
+        if host is None:
+            from genartifact.host import PluginHost
+
+            names = json.loads(os.environ.get(ENV_CONTENTS, "[]"))
+            host = PluginHost({"contents": names})
+            host.hooks.worker_init(worker=self)
+            self._genartifact_host = host
+        if method == "init":
+            return {"contents": [p.name for p in host.enabled["contents"]]}
+        result = host.hooks.worker_call(worker=self, method=method, args=list(args))
+        if result is None:
+            raise ValueError(f"no enabled worker plugin handles method {method!r}")
+        return None if isinstance(result, dict) and result.get("unknown") else result
