@@ -118,6 +118,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from genartifact.format import decode
 
+    if args.receipts:
+        return _verify_receipts(args.receipts, args.config)
+    if not args.object or not args.sha256:
+        raise GenartifactError("verify needs OBJECT and --sha256 H, or --receipts FILE")
     data = _read_object(args.object, args.config)
     digest = hashlib.sha256(data).hexdigest()
     if args.sha256 and digest != args.sha256.lower():
@@ -126,6 +130,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     decode(data)
     print(f"OK {len(data)} bytes sha256 {digest}")
     return 0
+
+
+def _verify_receipts(path: str, cfg_path: str | None) -> int:
+    """Check every ready receipt of a receipts.jsonl: object readable, SHA-256 and size match, decodes."""
+    from genartifact.format import decode
+
+    bad = 0
+    lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
+    for r in lines:
+        if r.get("state") != "ready":
+            print(f"#{r.get('index')}: {r.get('state')} {r.get('error_code')}")
+            bad += 1
+            continue
+        data = _read_object(r["object_id"], cfg_path)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != r["sha256"] or len(data) != r["byte_count"]:
+            print(f"#{r.get('index')}: MISMATCH {r['object_id']}")
+            bad += 1
+            continue
+        decode(data)
+    print(f"{len(lines) - bad}/{len(lines)} receipts verified (sha256, byte_count, strict decode)")
+    return 0 if bad == 0 else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -159,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("object", help="file path, fsspec URL, or profile:key")
     p.add_argument("--json", action="store_true")
     p = add("verify", cmd_verify, "check an artifact's SHA-256 and decode it strictly")
-    p.add_argument("object")
-    p.add_argument("--sha256", required=True)
+    p.add_argument("object", nargs="?")
+    p.add_argument("--sha256")
+    p.add_argument("--receipts", help="verify every receipt of a receipts.jsonl instead")
     p = add("generate", cmd_generate, "run prompts through vLLM and store one artifact per request")
     p.add_argument("--model", required=True, help="local model directory")
     p.add_argument("--prompts", required=True, help="JSONL: {\"prompt\": str, ...} per line")

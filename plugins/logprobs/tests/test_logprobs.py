@@ -1,0 +1,73 @@
+"""selected_logprobs plugin: lookup by token id, logprobs=0 request, bounds, entry point."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from genartifact.errors import AdmissionError, CaptureError
+from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
+from genartifact_logprobs import SelectedLogprobs, genartifact_content_producer
+
+
+@dataclass
+class Logprob:  # the shape of vllm.logprobs.Logprob
+    logprob: float
+    rank: int | None = None
+
+
+def admitted(max_tokens=4, sampling=None):
+    p = SelectedLogprobs()
+    p.admit(AdmissionContext(3, max_tokens, 0, ModelInfo("m", {}), sampling or {}))
+    return p
+
+
+def test_entry_point_and_hook():
+    eps = {ep.name: ep for ep in md.entry_points(group="genartifact.contents")}
+    assert eps["selected_logprobs"].dist.name == "genartifact-logprobs"
+    assert isinstance(genartifact_content_producer(name="selected_logprobs", model=None), SelectedLogprobs)
+    assert genartifact_content_producer(name="moe_routes", model=None) is None
+
+
+def test_requests_logprobs_zero_only_when_user_did_not():
+    p = admitted()
+    params = {}
+    p.sampling_overrides(params)
+    assert params == {"logprobs": 0}
+    params = {"logprobs": 5}
+    p.sampling_overrides(params)
+    assert params == {"logprobs": 5}
+
+
+def test_lookup_by_token_id_with_vllm_logprob_objects():
+    p = admitted()
+    # sampled token 7 is not first in the dict, as when it is not rank 1
+    p.on_delta(Delta([1, 2, 3], [7, 8], [{4: Logprob(-0.1, 1), 7: Logprob(-2.5, 3)}, {8: Logprob(float("-inf"), 9)}]))
+    section, parts = p.finalize(FinalContext(3, 2))
+    assert section == {"token_start": 3}
+    assert parts[0].array.dtype == np.float32
+    assert parts[0].array.tolist() == [-2.5, float("-inf")]
+
+
+def test_bounds():
+    p = admitted(max_tokens=1)
+    with pytest.raises(CaptureError, match="admitted 1"):
+        p.on_delta(Delta([1], [7, 8], [{7: -1.0}, {8: -1.0}]))
+    with pytest.raises(CaptureError, match="2 tokens"):
+        admitted().on_delta(Delta([1], [7, 8], [{7: -1.0}]))
+    with pytest.raises(CaptureError, match="None logprob entries"):
+        admitted().on_delta(Delta([1], [7], None))
+    with pytest.raises(AdmissionError, match="logprobs must be None or an integer"):
+        admitted(sampling={"logprobs": -1})
+
+
+def test_finalize_checks_alignment_and_release_clears():
+    p = admitted()
+    p.on_delta(Delta([1], [7], [{7: -1.0}]))
+    with pytest.raises(CaptureError, match="1 values for 2 completion tokens"):
+        p.finalize(FinalContext(3, 2))
+    p.release()
+    assert p.retained_bytes() == 0

@@ -1,0 +1,114 @@
+"""moe_routes plugin: router layouts per family, the worker recorder's position attribution, entry point."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+import numpy as np
+import pytest
+
+from genartifact.errors import AdmissionError
+from genartifact_route_capture.layout import resolve_layout
+from genartifact_route_capture.recorder import RouteRecorder
+
+
+def test_entry_point_declared():
+    eps = {ep.name: ep for ep in md.entry_points(group="genartifact.contents")}
+    assert eps["moe_routes"].value == "genartifact_route_capture"
+    assert eps["moe_routes"].dist.name == "genartifact-route-capture"
+
+
+@pytest.mark.parametrize(
+    "cfg, ids, experts, k",
+    [
+        ({"model_type": "qwen3_moe", "num_hidden_layers": 6, "num_experts": 128, "num_experts_per_tok": 8,
+          "decoder_sparse_step": 2, "mlp_only_layers": []}, (1, 3, 5), 128, 8),
+        ({"model_type": "qwen2_moe", "num_hidden_layers": 4, "num_experts": 60, "num_experts_per_tok": 4,
+          "decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}, (1, 3), 60, 4),
+        ({"model_type": "deepseek_v3", "num_hidden_layers": 6, "n_routed_experts": 256, "num_experts_per_tok": 8,
+          "first_k_dense_replace": 1, "moe_layer_freq": 2}, (2, 4), 256, 8),
+        ({"model_type": "deepseek_v3", "num_hidden_layers": 61, "n_routed_experts": 256, "num_experts_per_tok": 8,
+          "first_k_dense_replace": 3}, tuple(range(3, 61)), 256, 8),
+        ({"model_type": "glm4_moe", "num_hidden_layers": 5, "n_routed_experts": 160, "num_experts_per_tok": 8,
+          "first_k_dense_replace": 2, "moe_layer_freq": 2}, (2, 3, 4), 160, 8),
+        ({"model_type": "mixtral", "num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2},
+         (0, 1, 2), 8, 2),
+        ({"model_type": "gpt_oss", "num_hidden_layers": 2, "num_local_experts": 32, "num_experts_per_tok": 4},
+         (0, 1), 32, 4),
+        ({"model_type": "llama4", "text_config": {"model_type": "llama4_text", "num_hidden_layers": 4,
+          "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2}}, (1, 3), 16, 1),
+    ],
+    ids=["qwen3-step2", "qwen2-mlp-only", "deepseek-freq2", "deepseek-v3", "glm-ignores-freq", "mixtral", "gpt-oss",
+         "llama4-nested"],
+)
+def test_router_layouts(cfg, ids, experts, k):
+    lay = resolve_layout(cfg)
+    assert (lay.router_ids, lay.num_experts, lay.top_k) == (ids, experts, k)
+
+
+def test_itemsize_follows_vllm_convention():
+    base = {"model_type": "mixtral", "num_hidden_layers": 1, "num_experts_per_tok": 2}
+    assert resolve_layout({**base, "num_local_experts": 256}).itemsize == 1
+    assert resolve_layout({**base, "num_local_experts": 257}).itemsize == 2
+
+
+def test_conflicting_nested_config():
+    with pytest.raises(AdmissionError, match="conflicting values in text_config"):
+        resolve_layout({"model_type": "mixtral", "num_hidden_layers": 2,
+                        "text_config": {"num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2}})
+
+
+def make_recorder():
+    return RouteRecorder(router_ids=(1, 3), top_k=2, dtype=np.dtype("u1"), max_positions=100)
+
+
+def step(rec, segs, layer_rows):
+    rec.begin_step(segs)
+    for lid, rows in layer_rows.items():
+        rec.on_layer(lid, np.asarray(rows, np.uint8))
+    rec.end_step()
+
+
+def rows_for(base, n):
+    return [[base + i, base + i + 1] for i in range(n)]
+
+
+def test_recorder_chunked_prefill_batching_and_recompute():
+    rec = make_recorder()
+    # step 1: A prefill chunk positions 0..2, B (not captured) 2 tokens, C prefill 0..1
+    step(rec, [("A", 0, 3), (None, 0, 2), ("C", 0, 2)], {1: rows_for(0, 7), 3: rows_for(50, 7) + [[9, 9]]})
+    # step 2: A rest of prefill 3..4 ; C decode at 2
+    step(rec, [("C", 2, 1), ("A", 3, 2)], {1: rows_for(10, 3), 3: rows_for(60, 3)})
+    # step 3: A preempted and recomputed from 0 (overwrites same positions), decode position 5
+    step(rec, [("A", 0, 6)], {1: rows_for(20, 6), 3: rows_for(70, 6)})
+    a = rec.fetch("A", 0, 6)
+    arr = np.frombuffer(a["data"], np.uint8).reshape(a["shape"])
+    assert a["missing"] is None and arr.shape == (2, 6, 2)
+    assert arr[0].tolist() == rows_for(20, 6) and arr[1].tolist() == rows_for(70, 6)
+    c = rec.fetch("C", 0, 3)
+    carr = np.frombuffer(c["data"], np.uint8).reshape(c["shape"])
+    assert carr[0].tolist() == rows_for(5, 2) + rows_for(10, 1)  # rows 5,6 of step 1 then row 0 of step 2
+    assert rec.fetch("A", 0, 6) is None  # popped
+
+
+def test_recorder_reports_missing_positions_and_honours_start():
+    rec = make_recorder()
+    step(rec, [("A", 4, 2)], {1: rows_for(0, 2), 3: rows_for(0, 2)})  # positions 0..3 never computed (cached)
+    a = rec.fetch("A", 0, 6)
+    assert a["missing"] == [0, 4]
+    step(rec, [("B", 4, 2)], {1: rows_for(0, 2), 3: rows_for(0, 2)})
+    assert rec.fetch("B", 4, 6)["missing"] is None
+
+
+def test_recorder_missing_layer_leaves_positions_unfilled():
+    rec = make_recorder()
+    step(rec, [("A", 0, 2)], {1: rows_for(0, 2)})  # router 3 never called back
+    assert rec.fetch("A", 0, 2)["missing"] == [0, 2]
+
+
+def test_recorder_ignores_padding_rows_and_unflagged_steps():
+    rec = make_recorder()
+    step(rec, [(None, 0, 4)], {1: rows_for(0, 4), 3: rows_for(0, 4)})
+    assert rec.reqs == {} and rec.steps == 0
+    step(rec, [("A", 0, 2)], {1: rows_for(0, 2) + [[7, 7]] * 6, 3: rows_for(1, 2) + [[7, 7]] * 6})
+    assert rec.fetch("A", 0, 2)["missing"] is None
