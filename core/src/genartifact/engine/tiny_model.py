@@ -120,6 +120,9 @@ def _deepseek_config():
         pad_token_id=3,
         num_mtp_layers=0,
     )
+    # HF's DeepSeek-V3 router always has e_score_correction_bias; vLLM loads it only for noaux_tc routing
+    cfg.topk_method = "noaux_tc"
+    cfg.scoring_func = "sigmoid"
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     return cfg
 

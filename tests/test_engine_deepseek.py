@@ -1,0 +1,68 @@
+"""DeepSeek-style model with a dense first layer (MLA attention, noaux_tc routing) on the real engine.
+
+The dense layer must be absent from the router axis (never reported as expert 0); rows are checked
+against HF transformers' own routing decisions for the same checkpoint and tokens.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from genartifact import format as fmt
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def ds_engine(host, deepseek_model):
+    from genartifact.engine.vllm_adapter import VllmEngine
+
+    eng = await VllmEngine(host, deepseek_model, max_num_batched_tokens=32, seed=0).start()
+    yield eng
+    eng.shutdown()
+
+
+def hf_deepseek_topk(model_dir, token_ids: np.ndarray) -> dict[int, np.ndarray]:
+    """Oracle: layer -> ``[tokens, top_k]`` expert ids chosen by HF's ``DeepseekV3TopkRouter`` of each MoE block."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seen: dict[int, np.ndarray] = {}
+    for i, layer in enumerate(m.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):  # DeepseekV3TopkRouter
+
+            def hook(_mod, _inp, out, _i=i):
+                seen[_i] = out[2].numpy()  # (router_logits, topk_weights, topk_indices)
+
+            gate.register_forward_hook(hook)
+    with torch.no_grad():
+        m(torch.tensor(token_ids[None].astype(np.int64)))
+    return seen
+
+
+async def test_dense_first_layer_routes(ds_engine, deepseek_model, tmp_path):
+    ids = ds_engine.tokenizer("Once upon a time, in a small village near the mountains, there lived an old woman "
+                              "who kept bees and counted the flowers in the field every morning.")["input_ids"]
+    assert len(ids) > 32  # chunked prefill with max_num_batched_tokens=32
+    spec = {"format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs"],
+            "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "t",
+                                                            "object_key": f"runs/{uuid.uuid4().hex}"}}}
+    settings = {"managed_fsspec": {"profiles": {"t": {"url": f"file://{tmp_path}", "allowed_prefixes": ["runs/"]}}}}
+    res = await ds_engine.run(ids, {"max_tokens": 10, "temperature": 1.0}, spec, settings, routes_start=3)
+    assert res.receipt["state"] == "ready", res.receipt
+    art = fmt.decode((tmp_path / res.receipt["object_id"].split(":", 1)[1]).read_bytes())
+    sec = art.manifest["sections"]["moe_routes"]
+    assert sec["router_ids"] == [1, 2, 3] and sec["expert_counts"] == [8, 8, 8] and sec["token_start"] == 3
+    routes = art.routes()
+    assert routes.shape == (len(ids) + len(res.completion_token_ids) - 1 - 3, 3, 2)
+    oracle = hf_deepseek_topk(deepseek_model, art.token_ids[:-1])
+    assert sorted(oracle) == [1, 2, 3]
+    want = np.stack([oracle[i] for i in (1, 2, 3)], 1)[3:]
+    agree = float((np.sort(routes, -1) == np.sort(want, -1)).all(-1).mean())
+    assert agree >= 0.97, agree
