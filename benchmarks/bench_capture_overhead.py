@@ -3,7 +3,8 @@ peak retained bytes / admitted bound per request (target <= 1).
 
     .venv/bin/python benchmarks/bench_capture_overhead.py --model .models/tiny-qwen3-moe
 
-"on": every request asks for moe_routes + selected_logprobs (worker capture, encode, file:// delivery).
+Sustained load: each round runs --requests requests with at most --inflight in flight, so finalize
+(encode, fsync, worker fetch) overlaps generation as in serving. "on": every request asks for moe_routes + selected_logprobs (worker capture, encode, file:// delivery).
 "off (same engine)": plain requests on the same engine. "off (plain engine)": a second engine started
 without the genartifact worker extension. Rounds alternate on/off to cancel drift; best round reported.
 """
@@ -26,17 +27,28 @@ PROMPTS = [
 ]
 
 
+CONTENTS = ["moe_routes", "selected_logprobs"]
+EXTRA: dict = {}
+INFLIGHT = [16]
+
+
 async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
     settings = {"managed_fsspec": {"profiles": {"b": {"url": f"file://{root}", "allowed_prefixes": ["runs/"]}}}}
 
     def spec():
-        return {"format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs"],
+        return {"format": "generation_artifact_v1", "contents": CONTENTS,
                 "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "b",
                                                                 "object_key": f"runs/{uuid.uuid4().hex}"}}}
 
+    gate = asyncio.Semaphore(INFLIGHT[0])
+
+    async def one(ids):
+        async with gate:
+            return await engine.run(ids, {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, **EXTRA},
+                                    spec() if artifacts else None, settings)
+
     t0 = time.perf_counter()
-    res = await asyncio.gather(*(engine.run(ids, {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True},
-                                            spec() if artifacts else None, settings) for ids in ids_list))
+    res = await asyncio.gather(*(one(ids) for ids in ids_list))
     dt = time.perf_counter() - t0
     toks = sum(len(r.completion_token_ids) for r in res)
     if artifacts:
@@ -78,13 +90,20 @@ async def main_async(args) -> None:
                 n = len(out.outputs[0].token_ids)
             return n
 
-        await asyncio.gather(*(one(ids) for ids in ids_list))
+        gate = asyncio.Semaphore(args.inflight)
+
+        async def gated(ids):
+            async with gate:
+                return await one(ids)
+
+        await asyncio.gather(*(gated(ids) for ids in ids_list))
         for _ in range(args.rounds):
             t0 = time.perf_counter()
-            n = sum(await asyncio.gather(*(one(ids) for ids in ids_list)))
+            n = sum(await asyncio.gather(*(gated(ids) for ids in ids_list)))
             plain.append(n / (time.perf_counter() - t0))
         llm.shutdown()
-    print(f"{args.requests} concurrent requests x {args.max_tokens} tokens, {args.rounds} rounds (best / median tok/s)")
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
+          f"(best / median tok/s)")
     print(f"  capture on           : {max(on):8.1f} / {statistics.median(on):8.1f}")
     print(f"  off (same engine)    : {max(off):8.1f} / {statistics.median(off):8.1f}")
     print(f"  ratio on/off (same engine, best)   = {max(on) / max(off):.3f}  (target >= 0.95)")
@@ -97,11 +116,19 @@ async def main_async(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=".models/tiny-qwen3-moe")
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=64, help="requests per round")
+    ap.add_argument("--inflight", type=int, default=16, help="concurrent requests (sustained load)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip-plain", action="store_true")
-    asyncio.run(main_async(ap.parse_args()))
+    ap.add_argument("--contents", default=",".join(CONTENTS))
+    ap.add_argument("--no-detokenize", action="store_true", help="detokenize=False for every request (token-in/out)")
+    args = ap.parse_args()
+    CONTENTS[:] = args.contents.split(",")
+    INFLIGHT[0] = args.inflight
+    if args.no_detokenize:
+        EXTRA["detokenize"] = False
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,15 @@ pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 async def ds_engine(host, deepseek_model):
     from genartifact.engine.vllm_adapter import VllmEngine
 
-    eng = await VllmEngine(host, deepseek_model, max_num_batched_tokens=32, seed=0).start()
+    # vLLM-CPU forces chunked prefill off for MLA models, so no max_num_batched_tokens here
+    eng = await VllmEngine(host, deepseek_model, seed=0).start()
     yield eng
     eng.shutdown()
 
 
 def hf_deepseek_topk(model_dir, token_ids: np.ndarray) -> dict[int, np.ndarray]:
-    """Oracle: layer -> ``[tokens, top_k]`` expert ids chosen by HF's ``DeepseekV3TopkRouter`` of each MoE block."""
+    """Oracle: layer -> (``[tokens, top_k]`` expert ids chosen by HF's ``DeepseekV3TopkRouter``, the
+    ``[tokens, experts]`` selection scores) of each MoE block."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -37,8 +39,9 @@ def hf_deepseek_topk(model_dir, token_ids: np.ndarray) -> dict[int, np.ndarray]:
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "e_score_correction_bias"):  # DeepseekV3TopkRouter
 
-            def hook(_mod, _inp, out, _i=i):
-                seen[_i] = out[2].numpy()  # (router_logits, topk_weights, topk_indices)
+            def hook(_mod, _inp, out, _i=i, _bias=gate.e_score_correction_bias):
+                logits, _w, idx = out  # (router_logits, topk_weights, topk_indices)
+                seen[_i] = (idx.numpy(), (logits.sigmoid() + _bias).detach().numpy())
 
             gate.register_forward_hook(hook)
     with torch.no_grad():
@@ -49,7 +52,7 @@ def hf_deepseek_topk(model_dir, token_ids: np.ndarray) -> dict[int, np.ndarray]:
 async def test_dense_first_layer_routes(ds_engine, deepseek_model, tmp_path):
     ids = ds_engine.tokenizer("Once upon a time, in a small village near the mountains, there lived an old woman "
                               "who kept bees and counted the flowers in the field every morning.")["input_ids"]
-    assert len(ids) > 32  # chunked prefill with max_num_batched_tokens=32
+    assert len(ids) > 32
     spec = {"format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs"],
             "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "t",
                                                             "object_key": f"runs/{uuid.uuid4().hex}"}}}
@@ -63,6 +66,12 @@ async def test_dense_first_layer_routes(ds_engine, deepseek_model, tmp_path):
     assert routes.shape == (len(ids) + len(res.completion_token_ids) - 1 - 3, 3, 2)
     oracle = hf_deepseek_topk(deepseek_model, art.token_ids[:-1])
     assert sorted(oracle) == [1, 2, 3]
-    want = np.stack([oracle[i] for i in (1, 2, 3)], 1)[3:]
-    agree = float((np.sort(routes, -1) == np.sort(want, -1)).all(-1).mean())
-    assert agree >= 0.97, agree
+    want = np.stack([oracle[i][0] for i in (1, 2, 3)], 1)[3:]
+    scores = np.stack([oracle[i][1] for i in (1, 2, 3)], 1)[3:]  # [rows, routers, experts]
+    same = (np.sort(routes, -1) == np.sort(want, -1)).all(-1)
+    assert same.mean() >= 0.9, same.mean()
+    # vLLM's DeepSeek path differs from HF by ~1e-3 numerically, so a disagreement is allowed only where
+    # HF's k-th and (k+1)-th selection scores are a near-tie; anything else is a mis-attributed row.
+    top = -np.sort(-scores, -1)
+    gap = top[..., 1] - top[..., 2]  # top_k = 2
+    assert (gap[~same] < 0.01).all(), sorted(gap[~same])[-5:]

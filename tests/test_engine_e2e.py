@@ -73,7 +73,7 @@ async def test_concurrent_requests_rows_alignment_and_logprobs(engine, qwen_mode
     jobs = []
     for i, text in enumerate(TEXTS * 2):  # 12 concurrent requests of different lengths
         ids = tok(text)["input_ids"]
-        jobs.append(engine.run(ids, {"max_tokens": 4 + 5 * i, "temperature": 1.0}, spec(), settings(tmp_path)))
+        jobs.append(engine.run(ids, {"max_tokens": 4 + 5 * i, "temperature": 1.0, "logprobs": 2}, spec(), settings(tmp_path)))
     results = await asyncio.gather(*jobs)
     agree = []
     for res in results:
@@ -152,3 +152,13 @@ async def test_capture_violation_fails_receipt_but_generation_completes(engine, 
     assert not any(tmp_path.rglob("*.gart"))
     stats = await engine.worker_call("moe_routes.stats")
     assert stats[0]["requests"] == 0  # worker rows discarded
+
+
+async def test_per_request_seed_refused_before_engine_work_on_cpu(engine, tmp_path):
+    from genartifact.errors import RequestSpecError
+
+    ids = engine.tokenizer(TEXTS[0])["input_ids"]
+    with pytest.raises(RequestSpecError, match="seed: per-request seeds crash vLLM-CPU"):
+        await engine.run(ids, {"max_tokens": 3, "seed": 1}, spec(), settings(tmp_path))
+    stats = await engine.worker_call("moe_routes.stats")
+    assert stats[0]["requests"] == 0

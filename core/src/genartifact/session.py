@@ -186,13 +186,13 @@ class ArtifactSession:
         self._require_admitted()
         if self._finished:
             raise CaptureError("delta received after the final delta")
-        prompt = list(delta.prompt_token_ids)
+        n_prompt = len(delta.prompt_token_ids)  # no per-delta copy: O(1) check after the first delta
         if self._prompt is None:
-            if len(prompt) != self.prompt_token_count:
-                raise CaptureError(f"engine prompt has {len(prompt)} tokens; admitted {self.prompt_token_count}")
-            self._prompt = prompt
-        elif len(prompt) != len(self._prompt):
-            raise CaptureError(f"prompt length changed from {len(self._prompt)} to {len(prompt)} tokens")
+            if n_prompt != self.prompt_token_count:
+                raise CaptureError(f"engine prompt has {n_prompt} tokens; admitted {self.prompt_token_count}")
+            self._prompt = list(delta.prompt_token_ids)
+        elif n_prompt != len(self._prompt):
+            raise CaptureError(f"prompt length changed from {len(self._prompt)} to {n_prompt} tokens")
         if len(self._completion) + len(delta.new_token_ids) > self.max_tokens:
             raise CaptureError(
                 f"completion reached {len(self._completion) + len(delta.new_token_ids)} tokens; admitted max_tokens {self.max_tokens}"

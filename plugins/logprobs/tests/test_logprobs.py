@@ -36,7 +36,7 @@ def test_requests_logprobs_zero_only_when_user_did_not():
     p = admitted()
     params = {}
     p.sampling_overrides(params)
-    assert params == {"logprobs": 0}
+    assert params == {"logprobs": 0, "flat_logprobs": True}
     params = {"logprobs": 5}
     p.sampling_overrides(params)
     assert params == {"logprobs": 5}

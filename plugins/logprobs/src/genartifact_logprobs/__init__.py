@@ -3,7 +3,8 @@
 Per completion token, the logprob of the token actually sampled, looked up *by token id* in vLLM's
 per-position ``{token_id: Logprob}`` mapping (never by position in the dict), stored as ``float32
 [completion_tokens]`` aligned 1:1 with the completion tokens. When the user did not ask for logprobs the
-engine is asked for ``logprobs=0`` (the sampled token only, vLLM ``SamplingParams.logprobs``). Values are
+engine is asked for ``logprobs=0`` (the sampled token only, vLLM ``SamplingParams.logprobs``) in vLLM's
+flat container (``flat_logprobs=True``). Values are
 as produced under the engine's ``logprobs_mode`` (recorded in the manifest header).
 """
 
@@ -44,7 +45,9 @@ class SelectedLogprobs:
 
     def sampling_overrides(self, params: dict[str, Any]) -> None:
         if params.get("logprobs") is None:
+            # only the sampled token; vLLM's flat container avoids per-token objects (FlatLogprobs)
             params["logprobs"] = 0
+            params.setdefault("flat_logprobs", True)
 
     def on_delta(self, delta: Delta) -> None:
         if not delta.new_token_ids:

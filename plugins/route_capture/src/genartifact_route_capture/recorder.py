@@ -71,14 +71,22 @@ class RouteRecorder:
         self._step = np.zeros((len(self.router_ids), off, self.top_k), self.dtype) if self._segments else None
         self._seen = set()
 
-    def on_layer(self, layer_id: int, topk_ids: np.ndarray) -> None:
-        """Record one MoE layer's ``topk_ids`` (``[>= tokens_in_step, top_k]``, padding rows ignored)."""
+    def on_layer(self, layer_id: int, topk_ids: Any) -> None:
+        """Record one MoE layer's ``topk_ids`` (``[>= tokens_in_step, top_k]`` numpy array or CPU torch
+        tensor of any integer dtype; padding rows beyond the step's tokens are ignored). Torch tensors are
+        converted by one ``copy_`` straight into the compact step buffer."""
         if self._step is None:
             return
         i = self._index.get(layer_id)
         if i is None:
             return
-        self._step[i] = topk_ids[: self._total]
+        src = topk_ids[: self._total]
+        if isinstance(src, np.ndarray):
+            self._step[i] = src
+        else:
+            import torch
+
+            torch.from_numpy(self._step[i]).copy_(src)
         self._seen.add(i)
 
     def end_step(self) -> None:

@@ -43,8 +43,8 @@ class _State:
             dtype=np.dtype("<u1") if lay.itemsize == 1 else np.dtype("<u2"),
             max_positions=int(vcfg.model_config.max_model_len),
         )
-        self.torch_dtype = _torch_dtype(lay.itemsize)
         self.sched: Any = None
+        self.cids: dict[str, str | None] = {}  # engine request id -> capture id (None: not captured)
         self.step_ready = False
         for m in runners:
             m.router.set_capture_fn(functools.partial(self.capture, int(m.layer_id)))
@@ -63,16 +63,23 @@ class _State:
         mr.execute_model = execute_model
         log.info("route_capture_installed", routers=len(found), runner=type(mr).__name__)
 
-    def _begin(self) -> None:
-        mr, so = self.worker.model_runner, self.sched
-        ib = mr.input_batch
-        segs = []
-        for i, rid in enumerate(ib.req_ids[: ib.num_reqs]):
-            n = int(so.num_scheduled_tokens.get(rid, 0))
-            st = mr.requests.get(rid)
+    def _cid(self, rid: str) -> str | None:
+        if rid not in self.cids:
+            st = self.worker.model_runner.requests.get(rid)
             extra = getattr(getattr(st, "sampling_params", None), "extra_args", None) or {}
             cid = extra.get(CAPTURE_KEY)
-            segs.append((str(cid) if cid is not None else None, int(ib.num_computed_tokens_cpu[i]), n))
+            self.cids[rid] = str(cid) if cid is not None else None
+        return self.cids[rid]
+
+    def _begin(self) -> None:
+        mr, so = self.worker.model_runner, self.sched
+        for rid in getattr(so, "finished_req_ids", ()) or ():
+            self.cids.pop(rid, None)
+        ib = mr.input_batch
+        sched = so.num_scheduled_tokens
+        computed = ib.num_computed_tokens_cpu
+        segs = [(self._cid(rid), int(computed[i]), int(sched.get(rid, 0)))
+                for i, rid in enumerate(ib.req_ids[: ib.num_reqs])]
         self.recorder.begin_step(segs)
         self.step_ready = True
 
@@ -83,14 +90,7 @@ class _State:
             self._begin()
         if self.recorder._step is None:  # no flagged request in this step
             return
-        self.recorder.on_layer(layer_id, topk_ids.detach().to("cpu", self.torch_dtype).numpy())
-
-
-def _torch_dtype(itemsize: int) -> Any:
-    import torch
-
-    # uint16 tensors lack numpy conversion in older torch: int32 then narrowed by the recorder's buffer
-    return torch.uint8 if itemsize == 1 else torch.int32
+        self.recorder.on_layer(layer_id, topk_ids.detach())
 
 
 def install(worker: Any) -> None:
