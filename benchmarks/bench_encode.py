@@ -15,7 +15,6 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import synthetic_routes  # noqa: E402
-
 from genartifact import format as fmt  # noqa: E402
 
 

@@ -11,7 +11,6 @@ import uuid
 import numpy as np
 import pytest
 import pytest_asyncio
-
 from genartifact import format as fmt
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]

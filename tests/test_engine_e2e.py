@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from genartifact import format as fmt
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]

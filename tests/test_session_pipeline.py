@@ -8,7 +8,6 @@ import uuid
 import fsspec
 import numpy as np
 import pytest
-
 from genartifact import format as fmt
 from genartifact.config import DEFAULT_TOML, parse
 from genartifact.errors import AdmissionError, ConfigError, RequestSpecError, TargetError, UnknownPluginError

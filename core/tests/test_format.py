@@ -9,7 +9,6 @@ import struct
 import numpy as np
 import pytest
 import zstandard
-
 from genartifact import format as fmt
 from genartifact.errors import ArtifactFormatError
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import pluggy
 import pytest
-
 from genartifact.errors import DuplicatePluginError, PluginLoadError, UnknownPluginError
 from genartifact.host import PluginHost, discover
 

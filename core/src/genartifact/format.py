@@ -210,7 +210,7 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL) -> EncodedArtifact:
     body = np.zeros(total, np.uint8)  # one buffer, filled in place (no per-tensor byte copies)
     body[0:4] = np.frombuffer(struct.pack("<I", len(mbytes)), np.uint8)
     body[4:head] = np.frombuffer(mbytes, np.uint8)
-    for ref, part in zip(refs, parts):
+    for ref, part in zip(refs, parts, strict=True):
         o = payload_start + ref["offset"]
         dst = body[o : o + ref["byte_count"]].view(DTYPES[ref["dtype"]]).reshape(ref["shape"])
         np.copyto(dst, part.array, casting="same_kind")

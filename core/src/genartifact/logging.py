@@ -19,6 +19,7 @@ def configure_logging(*, json_lines: bool = False, level: int = logging.INFO) ->
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # resolve sys.stderr per logger, so a replaced stream (tests, daemons) is honoured
+        logger_factory=lambda *args: structlog.PrintLogger(file=sys.stderr),
         cache_logger_on_first_use=False,
     )

@@ -8,7 +8,6 @@ import os
 
 import fsspec
 import pytest
-
 from genartifact.errors import ConfigError, DeliveryError, TargetError
 from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles, validate_key
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-
 from genartifact.errors import AdmissionError, CaptureError
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 from genartifact_logprobs import SelectedLogprobs, genartifact_content_producer

@@ -6,7 +6,6 @@ import importlib.metadata as md
 
 import numpy as np
 import pytest
-
 from genartifact.errors import AdmissionError
 from genartifact_route_capture.layout import resolve_layout
 from genartifact_route_capture.recorder import RouteRecorder

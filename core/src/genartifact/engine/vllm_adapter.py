@@ -1,7 +1,8 @@
 """vLLM adapter: start an ``AsyncLLM`` with the genartifact worker extension, convert vLLM outputs to
 engine-neutral :class:`~genartifact.types.Delta` objects, and run one request with its artifact session.
 
-Imports vllm at module import: import this module lazily (only engine commands and engine tests do).
+vllm and torch are imported inside the functions that need them; still, import this module lazily (only
+engine commands and engine tests do).
 The ``AsyncLLM`` must be created from a ``if __name__ == "__main__":`` guarded entry point (vLLM spawns
 its engine-core and worker processes).
 """
@@ -53,7 +54,7 @@ def _sample_logprobs(lps: Any, n: int) -> list[dict[int, float]] | None:
     starts = getattr(lps, "start_indices", None)
     if starts is not None:  # FlatLogprobs: no per-position object creation in vLLM
         ends, tids, vals = lps.end_indices, lps.token_ids, lps.logprobs
-        return [dict(zip(tids[starts[i] : ends[i]], vals[starts[i] : ends[i]])) for i in range(n)]
+        return [dict(zip(tids[starts[i] : ends[i]], vals[starts[i] : ends[i]], strict=True)) for i in range(n)]
     return [{int(k): float(v.logprob) for k, v in lps[i].items()} for i in range(n)]
 
 
@@ -81,25 +82,7 @@ class VllmEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        opts: dict[str, Any] = {
-            "model": self.model_dir,
-            "dtype": "float32",
-            "enforce_eager": True,
-            "max_model_len": 2048,
-            "enable_prefix_caching": False,
-            "disable_log_stats": True,
-            # token-in/token-out: the adapter tokenizes prompts and decodes text once per request, so the
-            # engine skips per-token detokenization (which dominates front-end cost of logprobs on CPU)
-            "skip_tokenizer_init": True,
-        }
-        opts.update(self.engine_kwargs)
-        user_ext = opts.get("worker_extension_cls")
-        if user_ext and user_ext != QUALNAME:
-            log.warning("worker_extension_in_use", cls=user_ext,
-                        detail="genartifact worker capture disabled; moe_routes needs the native path")
-        else:
-            opts["worker_extension_cls"] = QUALNAME
-        self.host.hooks.engine_options(options=opts)
+        opts = engine_options(self.host, self.model_dir, self.engine_kwargs)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**opts))
         vcfg = self.llm.vllm_config
         mc = vcfg.model_config
@@ -207,6 +190,34 @@ class VllmEngine:
         return RequestResult(list(prompt_token_ids), completion,
                              logprobs if user_logprobs is not None else None, receipt, finish,
                              peak, budget)
+
+
+DEFAULT_ENGINE_OPTIONS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 2048,
+    "enable_prefix_caching": False,
+    "disable_log_stats": True,
+    # token-in/token-out: the adapter tokenizes prompts itself, so the engine skips per-token
+    # detokenization (which dominates the front-end cost of logprobs on CPU)
+    "skip_tokenizer_init": True,
+}
+
+
+def engine_options(host: PluginHost, model_dir: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``AsyncEngineArgs`` kwargs: defaults, then ``overrides``, then the genartifact worker extension (unless
+    the user set their own ``worker_extension_cls``: vLLM allows one, so a warning names it and the worker
+    route path is off), then each enabled content plugin's ``genartifact_engine_options`` in config order."""
+    opts: dict[str, Any] = {"model": model_dir, **DEFAULT_ENGINE_OPTIONS, **overrides}
+    user_ext = opts.get("worker_extension_cls")
+    if user_ext and user_ext != QUALNAME:
+        log.warning("worker_extension_in_use", cls=user_ext,
+                    detail="vLLM allows one worker extension; genartifact worker capture is disabled, "
+                           "moe_routes needs enable_return_routed_experts")
+    else:
+        opts["worker_extension_cls"] = QUALNAME
+    host.hooks.engine_options(options=opts)
+    return opts
 
 
 def _native_routes_enabled(vcfg: Any) -> bool:

@@ -29,7 +29,6 @@ from typing import Any
 
 import fsspec
 import pluggy
-
 from genartifact.errors import ConfigError, DeliveryError, TargetError
 from genartifact.format import MAX_DECODED_BYTES, encoded_size_bound
 from genartifact.types import ValidatedTarget

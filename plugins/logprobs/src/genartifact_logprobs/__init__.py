@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import pluggy
-
 from genartifact.errors import AdmissionError, CaptureError
 from genartifact.format import TensorPart
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
@@ -58,7 +57,7 @@ class SelectedLogprobs:
             raise CaptureError(f"selected_logprobs: engine sent {got} logprob entries for {len(delta.new_token_ids)} tokens")
         if len(self._values) + len(lps) > self._max_tokens:
             raise CaptureError(f"selected_logprobs: more than the admitted {self._max_tokens} tokens")
-        for tok, pos in zip(delta.new_token_ids, lps):
+        for tok, pos in zip(delta.new_token_ids, lps, strict=True):
             entry = pos.get(tok) if isinstance(pos, Mapping) else None
             if entry is None:
                 raise CaptureError(f"selected_logprobs: sampled token {tok} missing from the engine's logprobs")

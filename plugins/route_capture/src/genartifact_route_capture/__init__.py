@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 import pluggy
-
 from genartifact.errors import AdmissionError, CaptureError
 from genartifact.format import TensorPart
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
+
 from genartifact_route_capture.layout import RouterLayout, resolve_layout
 
 hookimpl = pluggy.HookimplMarker("genartifact")

@@ -1,0 +1,129 @@
+"""CLI commands (plugins, inspect, verify) and engine-option assembly, without an engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from genartifact import format as fmt
+from genartifact.cli import main
+from genartifact.engine.vllm_adapter import engine_options
+from genartifact.engine.worker_ext import QUALNAME
+from genartifact.host import PluginHost
+from genartifact.session import ArtifactSession
+from genartifact.spec import parse_request
+from genartifact.types import Delta, ModelInfo
+
+
+def write_artifact(tmp_path):
+    inp = fmt.ArtifactInput(np.arange(6, dtype=np.uint32), 4, ["selected_logprobs"],
+                            {"selected_logprobs": {"token_start": 4}},
+                            [fmt.TensorPart("selected_logprobs.logprobs", np.array([-1.0, -np.inf], np.float32))])
+    enc = fmt.encode(inp)
+    p = tmp_path / "a.gart"
+    p.write_bytes(enc.data)
+    return p, enc
+
+
+def test_plugins_json(capsys):
+    assert main(["plugins", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["kind"], r["name"], r["enabled"]) for r in rows} >= {
+        ("contents", "moe_routes", True), ("contents", "selected_logprobs", True), ("targets", "managed_fsspec", True)}
+
+
+def test_plugins_unknown_name_in_config_exits_2(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[plugins]\ncontents = ["selected_logprob"]\n')
+    assert main(["plugins", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown content 'selected_logprob'" in err and "did you mean 'selected_logprobs'" in err
+
+
+def test_inspect_and_verify(tmp_path, capsys):
+    p, enc = write_artifact(tmp_path)
+    assert main(["inspect", str(p), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["sha256"] == enc.sha256 and s["selected_logprobs"] == {"count": 2, "mean": -1.0, "neg_inf": 1}
+    assert main(["verify", str(p), "--sha256", enc.sha256]) == 0
+    assert main(["verify", str(p), "--sha256", "0" * 64]) == 1
+    p.write_bytes(enc.data[:-3])
+    assert main(["verify", str(p), "--sha256", enc.sha256]) == 1
+    assert main(["inspect", str(p)]) == 2
+    assert "truncated" in capsys.readouterr().err
+
+
+def test_verify_receipts(tmp_path, capsys):
+    p, enc = write_artifact(tmp_path)
+    r = tmp_path / "receipts.jsonl"
+    r.write_text(json.dumps({"index": 0, "state": "ready", "object_id": str(p), "sha256": enc.sha256,
+                             "byte_count": enc.byte_count}) + "\n"
+                 + json.dumps({"index": 1, "state": "failed", "error_code": "delivery_failed"}) + "\n")
+    assert main(["verify", "--receipts", str(r)]) == 1
+    assert "1/2 receipts verified" in capsys.readouterr().out
+
+
+def test_missing_object(capsys):
+    assert main(["inspect", "/nonexistent/x.gart"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_engine_options_defaults_and_plugin_hook():
+    host = PluginHost({"contents": ["moe_routes"]})
+    opts = engine_options(host, "/m", {"max_num_batched_tokens": 64, "enable_prefix_caching": True})
+    assert opts["worker_extension_cls"] == QUALNAME
+    assert opts["enable_prefix_caching"] is False  # route_capture's engine_options hook turns it off
+    assert opts["max_num_batched_tokens"] == 64 and opts["skip_tokenizer_init"] is True
+
+
+def test_native_route_engine_keeps_prefix_caching():
+    host = PluginHost({"contents": ["moe_routes"]})
+    opts = engine_options(host, "/m", {"enable_return_routed_experts": True, "enable_prefix_caching": True})
+    assert opts["enable_prefix_caching"] is True
+
+
+def test_user_worker_extension_is_kept_and_warned(capsys):
+    from genartifact.logging import configure_logging
+
+    configure_logging()
+    host = PluginHost({"contents": ["moe_routes"]})
+    opts = engine_options(host, "/m", {"worker_extension_cls": "my.pkg.Ext"})
+    assert opts["worker_extension_cls"] == "my.pkg.Ext"
+    assert "worker_extension_in_use" in capsys.readouterr().err and "my.pkg.Ext" in str(opts)
+
+
+async def test_native_resend_keeps_only_latest_tensor(tmp_path):
+    host = PluginHost({"contents": ["moe_routes"], "targets": ["managed_fsspec"]})
+    cfg = {"model_type": "mixtral", "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2}
+    model = ModelInfo("m", cfg, engine_options={"native_routed_experts": True})
+    spec = {"format": "generation_artifact_v1", "contents": ["moe_routes"],
+            "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "p", "object_key": "k"}}}
+    settings = {"managed_fsspec": {"profiles": {"p": {"url": f"file://{tmp_path}", "allowed_prefixes": [""]}}}}
+    s = ArtifactSession.for_request(host, parse_request(spec), model, settings)
+    s.admit(2, 2)
+    s.record(Delta([1, 2], [3], None, routed_experts=np.full((2, 2, 2), 1, np.int32)))
+    s.record(Delta([1, 2], [4], None, routed_experts=np.full((3, 2, 2), 5, np.int64), finished=True))
+    assert s.retained_bytes() == 4 * 4 + 3 * 2 * 2
+    r = await s.finalize()
+    art = fmt.decode((tmp_path / "k").read_bytes())
+    assert r["state"] == "ready" and (art.routes() == 5).all() and art.routes().shape == (3, 2, 2)
+
+
+def test_console_script_runs_without_engine():
+    out = subprocess.run([sys.executable, "-m", "genartifact.cli", "plugins"], capture_output=True, text=True, check=True)
+    assert "managed_fsspec" in out.stdout
+
+
+@pytest.mark.parametrize("bad", ['{"prompt": 3}', "not json", '{"prompt": "x", "colour": 1}', ""])
+def test_prompts_file_errors_name_the_line(tmp_path, bad):
+    from genartifact.engine.job import read_prompts
+    from genartifact.errors import RequestSpecError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n' + bad + "\n" if bad else "\n")
+    with pytest.raises(RequestSpecError, match=r"p.jsonl(:2)?|no prompts"):
+        read_prompts(f)
