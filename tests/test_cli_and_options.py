@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from genartifact import format as fmt
 from genartifact.cli import main
 from genartifact.engine.vllm_adapter import engine_options
