@@ -80,6 +80,7 @@ def test_recorder_chunked_prefill_batching_and_recompute():
     step(rec, [("C", 2, 1), ("A", 3, 2)], {1: rows_for(10, 3), 3: rows_for(60, 3)})
     # step 3: A preempted and recomputed from 0 (overwrites same positions), decode position 5
     step(rec, [("A", 0, 6)], {1: rows_for(20, 6), 3: rows_for(70, 6)})
+    assert rec.recomputed_positions == 5  # A's positions 0..4 written twice
     a = rec.fetch("A", 0, 6)
     arr = np.frombuffer(a["data"], np.uint8).reshape(a["shape"])
     assert a["missing"] is None and arr.shape == (2, 6, 2)

@@ -54,6 +54,7 @@ class RouteRecorder:
     _step: np.ndarray | None = None
     _seen: set[int] = field(default_factory=set)
     steps: int = 0
+    recomputed_positions: int = 0  # positions written again (preemption + recompute)
 
     def __post_init__(self) -> None:
         self._index = {lid: i for i, lid in enumerate(self.router_ids)}
@@ -105,6 +106,7 @@ class RouteRecorder:
             if end <= start:
                 continue
             r.ensure(end)
+            self.recomputed_positions += int(r.filled[start:end].sum())
             r.buf[:, start:end] = self._step[:, off : off + (end - start)]
             r.filled[start:end] = True
             r.max_pos = max(r.max_pos, end)

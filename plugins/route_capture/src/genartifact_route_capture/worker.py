@@ -110,5 +110,7 @@ def call(worker: Any, verb: str, args: list[Any]) -> Any:
     if verb == "discard":
         return st.recorder.discard(str(args[0]))
     if verb == "stats":
-        return {"requests": len(st.recorder.reqs), "retained_bytes": st.recorder.retained_bytes(), "steps": st.recorder.steps}
+        rec = st.recorder
+        return {"requests": len(rec.reqs), "retained_bytes": rec.retained_bytes(), "steps": rec.steps,
+                "recomputed_positions": rec.recomputed_positions}
     raise ValueError(f"moe_routes worker verb {verb!r} unknown; allowed: ['discard', 'fetch', 'stats']")
