@@ -40,6 +40,8 @@ ERROR_MESSAGES = {
     "delivery_failed": "generation artifact delivery failed",
     "object_exists": "generation artifact object already exists",
     "timeout": "generation artifact delivery timed out",
+    "expired": "generation artifact grant expired or was refused",
+    "redirect_refused": "generation artifact upload was redirected; redirects are not followed",
     "internal_error": "generation artifact failed",
 }
 

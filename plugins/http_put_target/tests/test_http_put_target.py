@@ -1,0 +1,306 @@
+"""presigned_http_put: validation (SSRF, headers, expiry), wire behaviour, retries, faults, redaction."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.metadata as md
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import structlog
+from genartifact.errors import ConfigError, DeliveryError, TargetError
+from genartifact_http_put_target import PresignedHttpPutTarget, PresignedSettings
+
+SECRET = "X-Amz-Signature=TOPSECRETSIG"
+HDR_SECRET = "hdr-secret-value"
+DNS = {
+    "bucket.example.com": "93.184.216.34",
+    "internal.example.com": "10.0.0.5",
+    "meta.example.com": "169.254.169.254",
+    "v6local.example.com": "::1",
+}
+
+
+def resolver(host, port, type=None):  # noqa: A002 - mirrors socket.getaddrinfo
+    resolver.calls.append(host)
+    if host not in DNS:
+        raise OSError("no such host")
+    return [(None, None, None, "", (DNS[host], port))]
+
+
+resolver.calls = []
+
+
+def settings(fault=None, **kw):
+    base = {"allowed_hosts": ["bucket.example.com", "internal.example.com", "meta.example.com", "v6local.example.com",
+                              "10.0.0.1", "169.254.169.254", "[::1]", "[::ffff:127.0.0.1]", "s3.example.com:8443"],
+            "insecure_http_hosts": [fault.authority] if fault else [], "max_attempts": 3, "backoff_base_s": 0.01,
+            "read_timeout_s": 1.0, "total_timeout_s": 5.0}
+    base.update(kw)
+    return PresignedSettings.parse(base, resolver=resolver)
+
+
+def iso(dt: datetime) -> str:
+    return dt.isoformat()
+
+
+def grant(url="https://bucket.example.com/a/key?" + SECRET, headers=None, expires=None, **kw):
+    g = {"kind": "presigned_http_put", "url": url,
+         "expires_at": expires or iso(datetime.now(UTC) + timedelta(minutes=10)), "max_bytes": 1 << 20,
+         "required_headers": {"if-none-match": "*", "x-amz-meta-run": HDR_SECRET} if headers is None else headers,
+         "object_id": "obj-1"}
+    g.update(kw)
+    return g
+
+
+def test_entry_point_declared():
+    eps = {ep.name: ep for ep in md.entry_points(group="genartifact.targets")}
+    assert eps["presigned_http_put"].dist.name == "genartifact-http-put-target"
+
+
+URL_CASES = [
+    ("http://bucket.example.com/k?" + SECRET, "must use https"),
+    ("ftp://bucket.example.com/k", "must use https"),
+    ("https://user:pw@bucket.example.com/k", "userinfo"),
+    ("https://bucket.example.com/k?" + SECRET + "#frag", "fragment"),
+    ("https://10.0.0.1/k", "non-global"),
+    ("https://169.254.169.254/latest/meta-data", "non-global"),
+    ("https://[::1]/k", "non-global"),
+    ("https://[::ffff:127.0.0.1]/k", "non-global"),
+    ("https://internal.example.com/k", "non-global"),
+    ("https://meta.example.com/k", "non-global"),
+    ("https://v6local.example.com/k", "non-global"),
+    ("https://localhost/k", "local name"),
+    ("https://foo.localhost/k", "local name"),
+    ("https://printer.local/k", "local name"),
+    ("https://bücket.example.com/k", "printable ASCII"),
+    ("https://xn--bcket-kva.example.com/k", "allowed_hosts"),
+    ("https://bucket.example.com.evil.net/k", "allowed_hosts"),
+    ("https://bucket.example.com:8443/k", "allowed_hosts"),
+    ("https://2130706433/k", "allowed_hosts"),
+    ("https://bucket.example.com/" + "a" * 9000, "longer than"),
+    ("https://bucket.example.com/k%zz?" + SECRET, "percent escape"),
+    ("https://bucket.example.com/a b", "printable ASCII"),
+    ("https://bucket.example.com:99999/k", "invalid port"),
+    ("https:///k", "no host"),
+]
+
+
+@pytest.mark.parametrize("url, match", URL_CASES, ids=[f"url{i}" for i in range(len(URL_CASES))])
+def test_url_rejected(fault_server, url, match):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with pytest.raises(TargetError, match=match) as e:
+        t.validate(grant(url=url))
+    assert "TOPSECRETSIG" not in str(e.value) and "pw" not in str(e.value)
+    assert fault_server.requests == []
+
+
+HEADER_CASES = [
+    ({"x-amz-meta-a": "1"}, "if-none-match: \\*"),
+    ({"if-none-match": "etag-123"}, "if-none-match: \\*"),
+    ({"if-none-match": "*", "Authorization": "AWS4 " + HDR_SECRET}, "'authorization' must not be set"),
+    ({"if-none-match": "*", "Host": "evil.example.com"}, "'host' must not be set"),
+    ({"if-none-match": "*", "Content-Length": "1"}, "'content-length' must not be set"),
+    ({"if-none-match": "*", "Transfer-Encoding": "chunked"}, "'transfer-encoding' must not be set"),
+    ({"if-none-match": "*", "Cookie": "a=b"}, "'cookie' must not be set"),
+    ({"if-none-match": "*", "Proxy-Authorization": "x"}, "'proxy-authorization' must not be set"),
+    ({"if-none-match": "*", "X-Forwarded-For": "1.2.3.4"}, "'x-forwarded-for' must not be set"),
+    ({"if-none-match": "*", "x-amz-copy-source": "/b/k"}, "'x-amz-copy-source' must not be set"),
+    ({"if-none-match": "*", "x-amz-meta-a": "v\r\nX-Evil: 1"}, "control"),
+    ({"if-none-match": "*", "x-amz-meta-a": "v\nX"}, "control"),
+    ({"if-none-match": "*", "X-Evil\r\nA": "v"}, "HTTP tokens"),
+    ({"if-none-match": "*", "": "v"}, "HTTP tokens"),
+    ({"if-none-match": "*", **{f"x-h{i}": "v" for i in range(16)}}, "at most 16"),
+    ({"if-none-match": "*", "x-amz-meta-a": "v" * 5000}, "at most 4096 bytes"),
+    ({"if-none-match": "*", "If-None-Match": "*"}, "given twice"),
+    ({"if-none-match": "*", "x-amz-meta-a": 5}, "must be a string"),
+    ({"if-none-match": "*", "x-amz-meta-a": "é"}, "non-ASCII"),
+    (["if-none-match", "*"], "must be an object"),
+]
+
+
+@pytest.mark.parametrize("headers, match", HEADER_CASES, ids=[f"hdr{i}" for i in range(len(HEADER_CASES))])
+def test_headers_rejected(fault_server, headers, match):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with pytest.raises(TargetError, match=match) as e:
+        t.validate(grant(headers=headers))
+    assert HDR_SECRET not in str(e.value) and "TOPSECRETSIG" not in str(e.value)
+    assert fault_server.requests == []
+
+
+@pytest.mark.parametrize(
+    "expires, match",
+    [
+        (lambda now: iso(now - timedelta(seconds=5)), "in the past"),
+        (lambda now: (now + timedelta(minutes=5)).replace(tzinfo=None).isoformat(), "needs a timezone"),
+        (lambda now: iso(now + timedelta(hours=2)), "max_ttl_s=3600"),
+        (lambda now: "tomorrow", "RFC 3339"),
+        (lambda now: 1767225600, "RFC 3339"),
+    ],
+    ids=["past", "naive", "too-far", "text", "number"],
+)
+def test_expiry_rejected(fault_server, expires, match):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with pytest.raises(TargetError, match=match):
+        t.validate(grant(expires=expires(datetime.now(UTC))))
+    assert fault_server.requests == []
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("max_bytes", 0, "max_bytes"), ("max_bytes", True, "max_bytes"), ("max_bytes", 1 << 40, "max_bytes"),
+     ("object_id", "", "object_id"), ("object_id", "a\nb", "object_id"), ("object_id", "x" * 600, "object_id"),
+     ("extra", 1, "unknown key")],
+)
+def test_other_fields_rejected(fault_server, field, value, match):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with pytest.raises(TargetError, match=match):
+        t.validate(grant(**{field: value}))
+
+
+def test_missing_field():
+    g = grant()
+    del g["object_id"]
+    with pytest.raises(TargetError, match=r"missing key\(s\) \['object_id'\]"):
+        PresignedHttpPutTarget(settings()).validate(g)
+
+
+def test_settings_rejected():
+    with pytest.raises(ConfigError, match="insecure_http_hosts entry 'example.com:80'.*loopback"):
+        PresignedSettings.parse({"insecure_http_hosts": ["example.com:80"]})
+    with pytest.raises(ConfigError, match="max_attempts"):
+        PresignedSettings.parse({"max_attempts": 0})
+    with pytest.raises(ConfigError, match="unknown key"):
+        PresignedSettings.parse({"allow_http": True})
+
+
+def test_valid_public_grant_and_redacted_reprs():
+    t = PresignedHttpPutTarget(settings())
+    v = t.validate(grant())
+    assert v.object_id == "obj-1" and v.max_bytes == 1 << 20
+    for text in (repr(v), repr(v.detail), repr(t), str(v)):
+        assert "TOPSECRETSIG" not in text and HDR_SECRET not in text and "/a/key" not in text
+
+
+# ------------------------------------------------------------------------------------------------- wire
+
+
+def put(t, g, data=b"artifact-bytes"):
+    v = t.validate(g)
+    return asyncio.run(t.deliver(v, data, hashlib.sha256(data).hexdigest()))
+
+
+def test_wire_exact_headers_content_length_raw_path(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    raw = "/ok/dir%2Fsub/key.gart?X-Amz-Credential=a%2F20261130%2Fus-east-1&X-Amz-Signature=ab%2B%3D"
+    assert put(t, grant(url=fault_server.url(raw)), b"x" * 1000) == "obj-1"
+    (seen,) = fault_server.requests
+    assert seen.raw_path == raw  # presigned query/path forwarded byte for byte
+    names = sorted(k.lower() for k, _ in seen.headers)
+    assert names == ["content-length", "host", "if-none-match", "x-amz-meta-run"]
+    assert dict((k.lower(), v) for k, v in seen.headers)["content-length"] == "1000"
+    assert seen.body == b"x" * 1000
+
+
+@pytest.mark.parametrize("mode, attempts", [("s503", 2), ("s429", 2)])
+def test_retry_on_5xx_and_429(fault_server, mode, attempts):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    assert put(t, grant(url=fault_server.url(f"/{mode}/k"))) == "obj-1"
+    assert len(fault_server.requests) == attempts
+    assert fault_server.requests[0].body == fault_server.requests[1].body
+
+
+@pytest.mark.parametrize(
+    "mode, code, attempts",
+    [("always503", "delivery_failed", 3), ("redirect", "redirect_refused", 1), ("s413", "too_large", 1),
+     ("s403", "expired", 1), ("s400", "delivery_failed", 1)],
+)
+def test_final_failures(fault_server, mode, code, attempts):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=fault_server.url(f"/{mode}/k?{SECRET}")))
+    assert e.value.code == code and "TOPSECRETSIG" not in str(e.value)
+    assert len(fault_server.requests) == attempts
+    assert all(not r.raw_path.startswith("/ok/redirected") for r in fault_server.requests)
+
+
+def test_second_put_is_412_object_exists(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    put(t, grant(url=fault_server.url("/ok/same")))
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=fault_server.url("/ok/same")), b"other")
+    assert e.value.code == "object_exists" and fault_server.store["/ok/same"] == b"artifact-bytes"
+
+
+def test_slow_response_times_out(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server, read_timeout_s=0.3))
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=fault_server.url("/slow/k")))
+    assert e.value.code == "timeout"
+
+
+def test_whole_delivery_deadline(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server, total_timeout_s=0.4, read_timeout_s=10))
+    t0 = time.monotonic()
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=fault_server.url("/slowheaders/k")))
+    assert e.value.code == "timeout" and time.monotonic() - t0 < 1.5
+
+
+def test_connection_reset_is_a_failure_not_retried(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=fault_server.url("/reset/k")))
+    assert e.value.code == "delivery_failed"
+    assert fault_server.counters["/reset/k"] == 1
+
+
+def test_connect_refused_retries_then_fails():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    t = PresignedHttpPutTarget(settings(None, insecure_http_hosts=[f"127.0.0.1:{port}"]))
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=f"http://127.0.0.1:{port}/k"))
+    assert e.value.code == "delivery_failed"
+
+
+def test_expiry_rechecked_before_sending(fault_server, monkeypatch):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    v = t.validate(grant(url=fault_server.url("/ok/late")))
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    with pytest.raises(DeliveryError) as e:
+        asyncio.run(t.deliver(v, b"x", "x"))
+    assert e.value.code == "expired" and fault_server.requests == []
+
+
+def test_dns_rebinding_checked_at_send_time(monkeypatch):
+    t = PresignedHttpPutTarget(settings())
+    v = t.validate(grant())
+    monkeypatch.setitem(DNS, "bucket.example.com", "127.0.0.1")
+    with pytest.raises(DeliveryError) as e:
+        asyncio.run(t.deliver(v, b"x", "x"))
+    assert e.value.code == "target_invalid"
+
+
+def test_over_grant_max_bytes_not_sent(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=fault_server.url("/ok/big"), max_bytes=4), b"12345")
+    assert e.value.code == "too_large" and fault_server.requests == []
+
+
+def test_secrets_never_logged(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with structlog.testing.capture_logs() as logs:
+        put(t, grant(url=fault_server.url(f"/s503/k?{SECRET}")))
+        with pytest.raises(DeliveryError) as e:
+            put(t, grant(url=fault_server.url(f"/always503/k?{SECRET}")))
+    text = repr(logs) + str(e.value) + repr(e.value.__cause__) + repr(e.value.__context__)
+    assert logs and "TOPSECRETSIG" not in text and HDR_SECRET not in text and "/s503/k" not in text
