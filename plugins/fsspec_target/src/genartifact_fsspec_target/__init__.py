@@ -5,20 +5,40 @@ Server-side settings (config ``[targets.managed_fsspec]``)::
     [targets.managed_fsspec.profiles.local]
     url = "./artifacts"            # fsspec URL root (file://, memory://, s3://...); relative = local path
     allowed_prefixes = ["runs/"]   # object keys must be at or under one of these
-    max_bytes = 67108864           # optional, default and ceiling 64 MiB
+    max_bytes = 67108864           # optional, default and ceiling 64 MiB + format overhead
     storage_options = {}           # optional, passed to fsspec (credentials stay here, never in requests)
+    timeout_s = 60.0               # whole delivery deadline (seconds)
+    connect_timeout_s = 5.0        # object stores: TCP/TLS connect timeout
+    read_timeout_s = 30.0          # object stores: per-read socket timeout
+    max_attempts = 3               # object stores: botocore "standard" retries of transient errors
+
+Profiles may also come from ``GENARTIFACT_STORAGE_PROFILES`` (a JSON object name -> profile, same keys),
+merged over the config's profiles.
 
 Request target: ``{"kind": "managed_fsspec", "profile": "local", "object_key": "runs/x/0001.gart"}``.
 Receipt object id: ``"<profile>:<object_key>"``.
 
 Create-only and all-or-nothing: local files are written to a hidden temp file in the destination
-directory and published with ``os.link`` (atomic, fails if the key exists); other filesystems use
-fsspec ``pipe_file(mode="create")`` (a single conditional PUT on s3fs).
+directory and published with ``os.link`` (atomic, fails if the key exists). S3 (``s3://``, ``s3a://``) goes
+through s3fs's async API with a fresh ``S3FileSystem`` per delivery (no session or event-loop state shared
+across loops): one ``PutObject`` with ``If-None-Match: *`` (conditional create; a second write of the key
+fails with 412 and is reported as ``object_exists``), never multipart for objects up to ``max_bytes``. When a
+retried PUT meets 412 the stored object is read back and compared by SHA-256: identical bytes mean an earlier
+attempt landed (success), anything else is ``object_exists``. ETags are never used as digests. Other fsspec
+filesystems use ``pipe_file(mode="create")``.
+
+Default timeouts: connect 5 s (a healthy object store answers in milliseconds; a dead endpoint should fail
+fast enough to leave retry budget), read 30 s (one 64 MiB PUT at >= 3 MB/s), whole delivery 60 s (bounds the
+pipeline slot a delivery can hold), 3 attempts in botocore's standard mode (transient 5xx, throttling and
+connection errors, with jittered exponential backoff).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import math
 import os
 import re
 import tempfile
@@ -29,6 +49,7 @@ from typing import Any
 
 import fsspec
 import pluggy
+import structlog
 from genartifact.errors import ConfigError, DeliveryError, TargetError
 from genartifact.format import MAX_DECODED_BYTES, encoded_size_bound
 from genartifact.types import ValidatedTarget
@@ -36,12 +57,16 @@ from genartifact.types import ValidatedTarget
 hookimpl = pluggy.HookimplMarker("genartifact")
 KIND = "managed_fsspec"
 __version__ = "0.1.0"
+log = structlog.get_logger("genartifact.fsspec_target")
 
 PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 KEY_SEGMENT = re.compile(r"[A-Za-z0-9_.=+@-]{1,255}")
 MAX_KEY_BYTES = 1024
 MAX_OBJECT_BYTES = encoded_size_bound(MAX_DECODED_BYTES)
-_PROFILE_KEYS = {"url", "allowed_prefixes", "max_bytes", "storage_options"}
+_PROFILE_KEYS = {"url", "allowed_prefixes", "max_bytes", "storage_options", "timeout_s", "connect_timeout_s",
+                 "read_timeout_s", "max_attempts"}
+ENV_PROFILES = "GENARTIFACT_STORAGE_PROFILES"
+S3_PROTOCOLS = ("s3://", "s3a://")
 _TARGET_KEYS = {"kind", "profile", "object_key"}
 
 
@@ -54,10 +79,18 @@ class Profile:
     allowed_prefixes: tuple[str, ...]
     max_bytes: int
     storage_options: Mapping[str, Any] = field(repr=False, default_factory=dict)
+    timeout_s: float = 60.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_attempts: int = 3
 
     @property
     def is_local(self) -> bool:
         return self.url.startswith("file://")
+
+    @property
+    def is_s3(self) -> bool:
+        return self.url.startswith(S3_PROTOCOLS)
 
 
 def validate_key(key: Any, field_name: str = "object_key") -> str:
@@ -90,6 +123,17 @@ def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None) ->
     raw = settings.get("profiles", {})
     if not isinstance(raw, Mapping):
         raise ConfigError("[targets.managed_fsspec.profiles] must be a table")
+    env = os.environ.get(ENV_PROFILES)
+    if env:
+        if len(env) > 1 << 20:
+            raise ConfigError(f"{ENV_PROFILES} is larger than 1 MiB")
+        try:
+            extra = json.loads(env)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{ENV_PROFILES} is not valid JSON: {e.msg} at position {e.pos}") from None
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{ENV_PROFILES} must be a JSON object of profile name -> profile")
+        raw = {**raw, **extra}
     out = {}
     for name, p in raw.items():
         where = f"[targets.managed_fsspec.profiles.{name}]"
@@ -117,8 +161,20 @@ def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None) ->
         so = p.get("storage_options", {})
         if not isinstance(so, Mapping):
             raise ConfigError(f"{where}.storage_options must be a table")
-        out[name] = Profile(name, url.rstrip("/"), tuple(prefixes), mb, dict(so))
+        times = {k: _seconds(p, k, d, where) for k, d in
+                 (("timeout_s", 60.0), ("connect_timeout_s", 5.0), ("read_timeout_s", 30.0))}
+        attempts = p.get("max_attempts", 3)
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or not 1 <= attempts <= 10:
+            raise ConfigError(f"{where}.max_attempts={attempts!r}; allowed: integer 1..10")
+        out[name] = Profile(name, url.rstrip("/"), tuple(prefixes), mb, dict(so), max_attempts=attempts, **times)
     return out
+
+
+def _seconds(p: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    v = p.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not 0.01 <= v <= 3600:
+        raise ConfigError(f"{where}.{key}={v!r}; allowed: seconds in 0.01..3600")
+    return float(v)
 
 
 class ManagedFsspecTarget:
@@ -152,10 +208,16 @@ class ManagedFsspecTarget:
         prof, key = target.detail
         if len(data) > prof.max_bytes:
             raise DeliveryError("artifact exceeds managed storage byte limit", "too_large")
-        if prof.is_local:
-            await asyncio.to_thread(_write_local_create_only, Path(prof.url[len("file://"):]) / key, data)
-        else:
-            await asyncio.to_thread(_write_fsspec_create_only, prof, key, data)
+        try:
+            async with asyncio.timeout(prof.timeout_s):
+                if prof.is_local:
+                    await asyncio.to_thread(_write_local_create_only, Path(prof.url[len("file://"):]) / key, data)
+                elif prof.is_s3:
+                    await _write_s3_create_only(prof, key, data, sha256)
+                else:
+                    await asyncio.to_thread(_write_fsspec_create_only, prof, key, data)
+        except TimeoutError:
+            raise DeliveryError("managed artifact write timed out", "timeout") from None
         return target.object_id
 
 
@@ -193,10 +255,71 @@ def _write_fsspec_create_only(prof: Profile, key: str, data: bytes) -> None:
         raise DeliveryError("managed artifact write failed") from None
 
 
+def s3_filesystem(prof: Profile, **extra: Any) -> Any:
+    """A fresh s3fs filesystem for ``prof`` (``skip_instance_cache``: nothing shared across deliveries or event
+    loops), with the profile's connect/read timeouts and botocore standard-mode retries; s3fs's own extra
+    retry loop is disabled so the attempt count is exactly ``max_attempts``."""
+    import s3fs
+
+    opts = dict(prof.storage_options)
+    cfg = dict(opts.pop("config_kwargs", {}) or {})
+    cfg.update(connect_timeout=prof.connect_timeout_s, read_timeout=prof.read_timeout_s,
+               retries={"max_attempts": prof.max_attempts, "mode": "standard"})
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=cfg, **opts, **extra)
+    fs.retries = 1
+    return fs
+
+
+async def _write_s3_create_only(prof: Profile, key: str, data: bytes, sha256: str) -> None:
+    fs = s3_filesystem(prof, asynchronous=True)
+    path = f"{prof.url.split('://', 1)[1].rstrip('/')}/{key}"
+    try:
+        await fs.set_session()
+        try:
+            # chunksize >= max_bytes: s3fs sends one PutObject (multipart only above 2 x chunksize)
+            await fs._pipe_file(path, data, mode="create", chunksize=max(prof.max_bytes, 5 << 20))
+        except FileExistsError:
+            stored = await fs._cat_file(path)
+            if hashlib.sha256(stored).hexdigest() != sha256:
+                raise DeliveryError("managed artifact object already exists", "object_exists") from None
+            log.info("managed_put_idempotent", profile=prof.name)  # an earlier attempt of ours landed
+    except DeliveryError:
+        raise
+    except (TimeoutError, asyncio.TimeoutError):
+        raise DeliveryError("managed artifact write timed out", "timeout") from None
+    except Exception as e:  # noqa: BLE001 - provider detail never reaches the caller
+        log.warning("managed_put_failed", profile=prof.name, error_type=type(e).__name__)
+        raise DeliveryError("managed artifact write failed") from None
+    finally:
+        s3 = getattr(fs, "_s3", None)
+        if s3 is not None:
+            try:
+                await s3.__aexit__(None, None, None)
+            except Exception:  # noqa: BLE001, S110 - closing must not mask the outcome
+                pass
+
+
+def _fs_and_path(profile: Profile, key: str) -> tuple[Any, str]:
+    if profile.is_s3:
+        return s3_filesystem(profile), f"{profile.url.split('://', 1)[1].rstrip('/')}/{key}"
+    fs, root = fsspec.core.url_to_fs(profile.url, skip_instance_cache=True, **profile.storage_options)
+    return fs, f"{root.rstrip('/')}/{key}"
+
+
 def open_object(profile: Profile, key: str) -> bytes:
-    """Read a stored object back (for inspect/verify/tests)."""
-    fs, root = fsspec.core.url_to_fs(profile.url, **profile.storage_options)
-    return fs.cat_file(f"{root.rstrip('/')}/{key}")
+    """Read a stored object back (inspect, verify, reconcile, tests)."""
+    fs, path = _fs_and_path(profile, key)
+    return fs.cat_file(path)
+
+
+def object_exists(profile: Profile, key: str) -> bool:
+    fs, path = _fs_and_path(profile, key)
+    return bool(fs.exists(path))
+
+
+def delete_object(profile: Profile, key: str) -> None:
+    fs, path = _fs_and_path(profile, key)
+    fs.rm_file(path)
 
 
 @hookimpl

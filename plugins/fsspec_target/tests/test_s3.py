@@ -1,0 +1,160 @@
+"""managed_fsspec on a real S3-compatible server (moto server mode on loopback, started by the root conftest)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import time
+import uuid
+
+import pytest
+import s3fs
+import structlog
+
+from genartifact.errors import DeliveryError
+from genartifact_fsspec_target import ManagedFsspecTarget, open_object, parse_profiles
+
+
+def target(s3, **extra):
+    prof = {"url": f"s3://{s3['bucket']}/art", "allowed_prefixes": ["runs/"], "storage_options": s3["storage_options"],
+            **extra}
+    return ManagedFsspecTarget(parse_profiles({"profiles": {"s3": prof}}))
+
+
+def deliver(t, key, data):
+    v = t.validate({"kind": "managed_fsspec", "profile": "s3", "object_key": key})
+    return asyncio.run(t.deliver(v, data, hashlib.sha256(data).hexdigest()))
+
+
+def key():
+    return f"runs/{uuid.uuid4().hex}.gart"
+
+
+def test_put_and_read_back(s3_server):
+    t, k = target(s3_server), key()
+    assert deliver(t, k, b"hello artifact") == f"s3:{k}"
+    got = s3_server["client"].get_object(Bucket="ga-test", Key=f"art/{k}")["Body"].read()
+    assert got == b"hello artifact" == open_object(t.profiles["s3"], k)
+
+
+def test_conditional_create_never_overwrites(s3_server):
+    t, k = target(s3_server), key()
+    deliver(t, k, b"first")
+    with pytest.raises(DeliveryError) as e:
+        deliver(t, k, b"second")
+    assert e.value.code == "object_exists"
+    assert s3_server["client"].get_object(Bucket="ga-test", Key=f"art/{k}")["Body"].read() == b"first"
+
+
+def test_retry_after_landed_put_is_idempotent(s3_server):
+    """A PUT that landed but whose response was lost is retried; 412 + identical bytes = success."""
+    t, k = target(s3_server), key()
+    s3_server["client"].put_object(Bucket="ga-test", Key=f"art/{k}", Body=b"same bytes")
+    assert deliver(t, k, b"same bytes") == f"s3:{k}"
+
+
+def test_single_put_object_no_multipart(s3_server, monkeypatch):
+    calls = []
+    orig = s3fs.S3FileSystem._call_s3
+
+    async def spy(self, method, *a, **kw):
+        calls.append(method)
+        return await orig(self, method, *a, **kw)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", spy)
+    t = target(s3_server)
+    deliver(t, key(), b"x" * (12 << 20))
+    assert calls == ["put_object"]
+
+
+def test_fresh_filesystem_per_delivery_and_across_loops(s3_server, monkeypatch):
+    made = []
+    orig = s3fs.S3FileSystem.__init__
+
+    def init(self, *a, **kw):
+        made.append(self)
+        orig(self, *a, **kw)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "__init__", init)
+    t = target(s3_server)
+    deliver(t, key(), b"a")  # event loop 1
+    deliver(t, key(), b"b")  # event loop 2 (a shared session would be bound to the closed loop 1)
+    assert len(made) == 2 and made[0] is not made[1]
+
+
+def test_concurrent_deliveries_one_loop(s3_server):
+    t = target(s3_server)
+
+    async def many():
+        vs = [t.validate({"kind": "managed_fsspec", "profile": "s3", "object_key": key()}) for _ in range(16)]
+        return await asyncio.gather(*(t.deliver(v, b"d%d" % i, hashlib.sha256(b"d%d" % i).hexdigest())
+                                      for i, v in enumerate(vs)))
+
+    assert len(set(asyncio.run(many()))) == 16
+
+
+def test_unresponsive_endpoint_times_out(s3_server):
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(16)  # accepts the TCP handshake, never answers
+    port = blackhole.getsockname()[1]
+    so = {**s3_server["storage_options"], "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
+                                                           "region_name": "us-east-1"}}
+    t = target({**s3_server, "storage_options": so}, read_timeout_s=0.3, connect_timeout_s=0.3, max_attempts=1,
+               timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(DeliveryError) as e:
+        deliver(t, key(), b"x")
+    blackhole.close()
+    assert e.value.code == "timeout" and time.monotonic() - t0 < 3
+
+
+def test_whole_delivery_deadline(s3_server):
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(16)
+    port = blackhole.getsockname()[1]
+    so = {**s3_server["storage_options"], "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
+                                                           "region_name": "us-east-1"}}
+    t = target({**s3_server, "storage_options": so}, read_timeout_s=30, timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(DeliveryError) as e:
+        deliver(t, key(), b"x")
+    blackhole.close()
+    assert e.value.code == "timeout" and time.monotonic() - t0 < 2
+
+
+def test_refused_endpoint_fails_without_detail(s3_server):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    so = {**s3_server["storage_options"], "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
+                                                           "region_name": "us-east-1"}}
+    t = target({**s3_server, "storage_options": so}, max_attempts=2, connect_timeout_s=0.5)
+    with structlog.testing.capture_logs() as logs, pytest.raises(DeliveryError) as e:
+        deliver(t, key(), b"x")
+    assert e.value.code == "delivery_failed"
+    text = str(e.value) + repr(logs) + repr(t) + repr(t.profiles)
+    assert "testing-secret-key-do-not-log" not in text and str(port) not in str(e.value)
+
+
+def test_profiles_from_environment(s3_server, monkeypatch):
+    import json
+
+    monkeypatch.setenv("GENARTIFACT_STORAGE_PROFILES", json.dumps({"envp": {
+        "url": f"s3://{s3_server['bucket']}/env", "allowed_prefixes": ["x/"],
+        "storage_options": s3_server["storage_options"]}}))
+    profiles = parse_profiles({"profiles": {"local": {"url": "memory://m", "allowed_prefixes": [""]}}})
+    assert sorted(profiles) == ["envp", "local"] and profiles["envp"].is_s3
+
+
+def test_bad_environment_profiles(monkeypatch):
+    from genartifact.errors import ConfigError
+
+    monkeypatch.setenv("GENARTIFACT_STORAGE_PROFILES", "{not json")
+    with pytest.raises(ConfigError, match="GENARTIFACT_STORAGE_PROFILES is not valid JSON"):
+        parse_profiles({})
+    monkeypatch.setenv("GENARTIFACT_STORAGE_PROFILES", '{"p": {"url": "s3://b/x", "allowed_prefixes": [""], "timeout_s": -1}}')
+    with pytest.raises(ConfigError, match="timeout_s"):
+        parse_profiles({})
