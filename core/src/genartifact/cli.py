@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -154,6 +155,50 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
     return 0 if bad == 0 else 1
 
 
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    """List journaled uploads without a ready receipt; with ``--delete`` remove such objects from managed
+    profiles when their bytes match the journaled SHA-256 (never someone else's object)."""
+    from genartifact.journal import DeliveryJournal
+
+    cfg = config_mod.load(args.config)
+    journal = DeliveryJournal(args.journal) if args.journal else cfg.journal()
+    if journal is None:
+        raise GenartifactError("no journal: pass --journal PATH or set [journal].path in the config")
+    profiles: dict[str, Any] = {}
+    if "managed_fsspec" in cfg.targets or os.environ.get("GENARTIFACT_STORAGE_PROFILES"):
+        from genartifact_fsspec_target import parse_profiles
+
+        profiles = parse_profiles(cfg.targets.get("managed_fsspec", {}), cfg.base_dir)
+    rows = []
+    for rec in journal.unresolved():
+        row = {"id": rec["id"], "kind": rec["kind"], "object_id": rec["object_id"], "last_state": rec["last_state"],
+               "sha256": rec["sha256"], "status": "unverifiable"}
+        prof = profiles.get(rec.get("ref", {}).get("profile")) if rec["kind"] == "managed_fsspec" else None
+        if prof is not None:
+            from genartifact_fsspec_target import delete_object, object_exists, open_object
+
+            key = rec["ref"]["key"]
+            if not object_exists(prof, key):
+                row["status"] = "absent"
+            elif hashlib.sha256(open_object(prof, key)).hexdigest() != rec["sha256"]:
+                row["status"] = "foreign"  # not our bytes: never touched
+            else:
+                row["status"] = "orphan"
+            if args.delete and row["status"] in ("orphan", "absent"):
+                if row["status"] == "orphan":
+                    delete_object(prof, key)
+                    row["status"] = "deleted"
+                journal.outcome(rec["id"], row["status"])
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['status']:12} {r['kind']:20} {r['object_id']}  (last state: {r['last_state']})")
+        print(f"{len(rows)} unresolved deliveries")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from genartifact.engine.job import run_generate_cli
 
@@ -200,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p = add("reconcile", cmd_reconcile, "list uploads without a ready receipt (crash leftovers); --delete removes them")
+    p.add_argument("--journal", help="journal path (default: [journal].path of the config)")
+    p.add_argument("--delete", action="store_true", help="delete orphans from managed profiles (bytes must match)")
+    p.add_argument("--json", action="store_true")
     p = add("make-tiny-model", cmd_make_tiny_model, "build a deterministic tiny MoE checkpoint")
     p.add_argument("out")
     p.add_argument("--family", choices=["qwen3_moe", "deepseek"], default="qwen3_moe")

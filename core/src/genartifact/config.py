@@ -25,6 +25,9 @@ probes = []
 [targets.managed_fsspec.profiles.local]
 url = "./artifacts"
 allowed_prefixes = ["runs/"]
+
+[journal]
+path = "./artifacts/journal.jsonl"   # delivery intents/outcomes for `genartifact reconcile`
 """
 
 
@@ -38,6 +41,18 @@ class Config:
     targets: dict[str, dict[str, Any]] = field(default_factory=dict)
     base_dir: Path = field(default_factory=Path.cwd)
     source: str = "<embedded default>"
+    journal_path: Path | None = None
+
+    def target_settings(self) -> dict[str, dict[str, Any]]:
+        """Per target kind its settings table, with ``base_dir`` added for resolving relative paths."""
+        return {k: {**v, "base_dir": str(self.base_dir)} if k == "managed_fsspec" else dict(v)
+                for k, v in self.targets.items()}
+
+    def journal(self) -> Any:
+        """The configured :class:`~genartifact.journal.DeliveryJournal`, or None."""
+        from genartifact.journal import DeliveryJournal
+
+        return DeliveryJournal(self.journal_path) if self.journal_path else None
 
 
 def parse(text: str, *, source: str, base_dir: Path) -> Config:
@@ -46,9 +61,13 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
-    extra = set(data) - {"plugins", "targets"}
+    extra = set(data) - {"plugins", "targets", "journal"}
     if extra:
-        raise ConfigError(f"{source}: unknown top-level key(s) {sorted(extra)}; allowed: ['plugins', 'targets']")
+        raise ConfigError(f"{source}: unknown top-level key(s) {sorted(extra)}; allowed: ['journal', 'plugins', 'targets']")
+    journal = data.get("journal", {})
+    if not isinstance(journal, Mapping) or set(journal) - {"path"} or not isinstance(journal.get("path", ""), str):
+        raise ConfigError(f"{source}: [journal] takes one key, path (string)")
+    journal_path = (base_dir / journal["path"]).resolve() if journal.get("path") else None
     plugins_raw = data.get("plugins", {})
     if not isinstance(plugins_raw, Mapping):
         raise ConfigError(f"{source}: [plugins] must be a table")
@@ -66,7 +85,8 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
     targets = data.get("targets", {})
     if not isinstance(targets, Mapping) or not all(isinstance(v, Mapping) for v in targets.values()):
         raise ConfigError(f"{source}: [targets.<kind>] entries must be tables")
-    return Config(plugins=plugins, targets={k: dict(v) for k, v in targets.items()}, base_dir=base_dir, source=source)
+    return Config(plugins=plugins, targets={k: dict(v) for k, v in targets.items()}, base_dir=base_dir, source=source,
+                  journal_path=journal_path)
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:

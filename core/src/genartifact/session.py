@@ -25,6 +25,7 @@ from genartifact.errors import (
     TargetError,
 )
 from genartifact.host import PluginHost
+from genartifact.journal import DeliveryJournal
 from genartifact.limits import max_decoded_bytes
 from genartifact.spec import ArtifactRequest
 from genartifact.types import AdmissionContext, ContentProducer, Delta, FinalContext, ModelInfo, ValidatedTarget
@@ -71,8 +72,9 @@ class ArtifactSession:
     """
 
     def __init__(self, host: PluginHost, request: ArtifactRequest, model: ModelInfo, target: Any,
-                 producers: list[ContentProducer]) -> None:
+                 producers: list[ContentProducer], journal: DeliveryJournal | None = None) -> None:
         self.host = host
+        self.journal = journal
         self.request = request
         self.model = model
         self._target = target
@@ -91,8 +93,10 @@ class ArtifactSession:
 
     @classmethod
     def for_request(cls, host: PluginHost, request: ArtifactRequest, model: ModelInfo,
-                    target_settings: Mapping[str, Mapping[str, Any]]) -> ArtifactSession:
-        """Resolve content producers and the target from enabled plugins.
+                    target_settings: Mapping[str, Mapping[str, Any]],
+                    journal: DeliveryJournal | None = None) -> ArtifactSession:
+        """Resolve content producers and the target from enabled plugins. With a ``journal``, every upload
+        is recorded (intent before, outcome after) for ``genartifact reconcile``.
 
         :raises UnknownPluginError: a content name or target kind has no enabled plugin (fail fast).
         """
@@ -109,7 +113,7 @@ class ArtifactSession:
                                            settings=target_settings.get(request.target_kind, {}))
         if target is None:
             raise AdmissionError(f"target kind '{request.target_kind}': its plugin returned no target")
-        return cls(host, request, model, target, producers)
+        return cls(host, request, model, target, producers, journal)
 
     # ------------------------------------------------------------------ admission
     def admit(self, prompt_token_count: int, max_tokens: int, *, routes_start: int = 0,
@@ -297,13 +301,24 @@ class ArtifactSession:
                 return failed_receipt(self.request, "capture_invalid")
             if enc.byte_count > self._validated.max_bytes:
                 return failed_receipt(self.request, "too_large")
+            did = None
+            if self.journal is not None:
+                describe = getattr(self._target, "describe", None)
+                ref = describe(self._validated) if describe is not None else {}
+                did = await asyncio.to_thread(self.journal.intent, kind=self.request.target_kind,
+                                              object_id=self._validated.object_id, ref=ref, sha256=enc.sha256,
+                                              byte_count=enc.byte_count)
             try:
                 object_id = await self._target.deliver(self._validated, enc.data, enc.sha256)
-            except DeliveryError as e:
-                log.warning("artifact_delivery_failed", error_code=e.code, target_kind=self.request.target_kind)
-                return failed_receipt(self.request, e.code if e.code in ERROR_MESSAGES else "delivery_failed")
-            except TargetError:
-                return failed_receipt(self.request, "target_invalid")
+            except (DeliveryError, TargetError) as e:
+                code = "target_invalid" if isinstance(e, TargetError) else e.code
+                code = code if code in ERROR_MESSAGES else "delivery_failed"
+                log.warning("artifact_delivery_failed", error_code=code, target_kind=self.request.target_kind)
+                if did is not None:
+                    await asyncio.to_thread(self.journal.outcome, did, "failed", code)  # type: ignore[union-attr]
+                return failed_receipt(self.request, code)
+            if did is not None:
+                await asyncio.to_thread(self.journal.outcome, did, "ready")  # type: ignore[union-attr]
             log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
             return {
                 "format": self.request.format,

@@ -11,7 +11,6 @@ import uuid
 import pytest
 import s3fs
 import structlog
-
 from genartifact.errors import DeliveryError
 from genartifact_fsspec_target import ManagedFsspecTarget, open_object, parse_profiles
 

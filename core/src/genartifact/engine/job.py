@@ -20,13 +20,14 @@ from genartifact.host import PluginHost
 log = structlog.get_logger("genartifact.job")
 
 PROMPT_KEYS = {"prompt", "max_tokens", "contents", "routed_experts_prompt_start", "temperature", "top_p", "top_k",
-               "seed", "logprobs"}
+               "seed", "logprobs", "target"}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "logprobs")
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """Parse a prompts JSONL file: one object per line with ``prompt`` (str) and optional per-request
-    ``max_tokens``, ``contents``, ``routed_experts_prompt_start`` and sampling parameters.
+    ``max_tokens``, ``contents``, ``routed_experts_prompt_start``, sampling parameters and ``target`` (a full
+    target object, e.g. a presigned URL grant for this request, overriding ``--target``).
     Raises :class:`RequestSpecError` naming the line and field."""
     rows = []
     try:
@@ -78,7 +79,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config
     from genartifact.engine.vllm_adapter import VllmEngine
 
     host = PluginHost(cfg.plugins)
-    settings = {k: {**v, "base_dir": str(cfg.base_dir)} if k == "managed_fsspec" else v for k, v in cfg.targets.items()}
+    settings = cfg.target_settings()
+    journal = cfg.journal()
     engine = await VllmEngine(host, model, **engine_kwargs).start()
     try:
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not progress)
@@ -87,11 +89,12 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config
             ids = engine.tokenizer(row["prompt"])["input_ids"]
             sampling = {"max_tokens": int(row.get("max_tokens", max_tokens)), "temperature": 1.0}
             sampling.update({k: row[k] for k in SAMPLING_KEYS if k in row})
+            tgt = row["target"] if "target" in row else target_for(target, run_id, i)
             spec = {"format": "generation_artifact_v1", "contents": row.get("contents", contents), "codec": "zstd",
-                    "delivery": {"mode": "object_store", "target": target_for(target, run_id, i)}}
+                    "delivery": {"mode": "object_store", "target": tgt}}
             try:
-                res = await engine.run(ids, sampling, spec, settings,
-                                       routes_start=int(row.get("routed_experts_prompt_start", 0)))
+                res = await engine.run(ids, sampling, spec, settings, routes_start=row.get("routed_experts_prompt_start", 0),
+                                       journal=journal)
                 receipt = dict(res.receipt or {})
                 receipt.update(index=i, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
             except GenartifactError as e:  # rejected before inference: specific message, nothing stored

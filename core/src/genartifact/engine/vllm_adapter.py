@@ -148,7 +148,7 @@ class VllmEngine:
 
     async def run(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
                   artifact: Mapping[str, Any] | None, target_settings: Mapping[str, Mapping[str, Any]],
-                  routes_start: int = 0) -> RequestResult:
+                  routes_start: Any = 0, journal: Any = None) -> RequestResult:
         """Run one request; with ``artifact`` (a request spec dict) admit before inference, capture every
         delta, finalize and return the receipt. Admission errors propagate (before the engine does any
         work); artifact failures after admission give a failed receipt, never a failed generation."""
@@ -164,7 +164,7 @@ class VllmEngine:
         session = None
         if artifact is not None:
             req = parse_request(artifact, n=int(sampling.pop("n", 1)))
-            session = ArtifactSession.for_request(self.host, req, self.model_info, target_settings)
+            session = ArtifactSession.for_request(self.host, req, self.model_info, target_settings, journal)
             session.admit(len(prompt_token_ids), int(sampling.get("max_tokens", 16)),
                           routes_start=routes_start, sampling=sampling)
             session.sampling_overrides(sampling)

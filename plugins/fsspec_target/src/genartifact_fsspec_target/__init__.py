@@ -202,6 +202,11 @@ class ManagedFsspecTarget:
             raise TargetError(f"managed_fsspec target.object_key is outside the profile's allowed prefixes {list(prof.allowed_prefixes)}")
         return ValidatedTarget(kind=KIND, max_bytes=prof.max_bytes, object_id=f"{name}:{key}", detail=(prof, key))
 
+    def describe(self, target: ValidatedTarget) -> dict[str, Any]:
+        """Non-secret reference for the delivery journal: profile and key."""
+        prof, key = target.detail
+        return {"profile": prof.name, "key": key}
+
     async def deliver(self, target: ValidatedTarget, data: bytes, sha256: str) -> str:
         """Create-only, all-or-nothing write of ``data``; returns ``"<profile>:<key>"``.
         Raises :class:`DeliveryError` with code ``object_exists``, ``too_large`` or ``delivery_failed``."""
@@ -285,7 +290,7 @@ async def _write_s3_create_only(prof: Profile, key: str, data: bytes, sha256: st
             log.info("managed_put_idempotent", profile=prof.name)  # an earlier attempt of ours landed
     except DeliveryError:
         raise
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         raise DeliveryError("managed artifact write timed out", "timeout") from None
     except Exception as e:  # noqa: BLE001 - provider detail never reaches the caller
         log.warning("managed_put_failed", profile=prof.name, error_type=type(e).__name__)

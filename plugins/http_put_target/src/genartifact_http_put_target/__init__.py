@@ -306,6 +306,10 @@ class PresignedHttpPutTarget:
         g = validate_grant(spec, self.settings)
         return ValidatedTarget(kind=KIND, max_bytes=g.max_bytes, object_id=g.object_id, detail=g)
 
+    def describe(self, target: ValidatedTarget) -> dict[str, Any]:
+        """Non-secret reference for the delivery journal: the upload host only (never URL or headers)."""
+        return {"host": target.detail.host}
+
     async def deliver(self, target: ValidatedTarget, data: bytes, sha256: str) -> str:
         """One PUT (with bounded retries). Raises :class:`DeliveryError` with codes ``expired``,
         ``object_exists``, ``too_large``, ``redirect_refused``, ``timeout`` or ``delivery_failed``."""
