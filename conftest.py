@@ -25,6 +25,7 @@ def s3_server():
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     import boto3
+    from botocore.config import Config
     from moto.server import ThreadedMotoServer
 
     port = _free_port()
@@ -32,7 +33,7 @@ def s3_server():
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET,
-                          region_name="us-east-1")
+                          region_name="us-east-1", config=Config(signature_version="s3v4"))
     client.create_bucket(Bucket="ga-test")
     yield {
         "endpoint": endpoint,

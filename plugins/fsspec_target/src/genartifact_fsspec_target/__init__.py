@@ -260,13 +260,30 @@ def _write_fsspec_create_only(prof: Profile, key: str, data: bytes) -> None:
         raise DeliveryError("managed artifact write failed") from None
 
 
+_BOTOCORE_SESSION: Any = None
+
+
+def _botocore_session() -> Any:
+    """One aiobotocore session per process: it only caches credentials resolution and the parsed service
+    models (tens of MB and ~0.2 s to build); it holds no connection pool or event-loop state, which live in
+    the per-delivery client."""
+    global _BOTOCORE_SESSION
+    if _BOTOCORE_SESSION is None:
+        from aiobotocore.session import AioSession
+
+        _BOTOCORE_SESSION = AioSession()
+    return _BOTOCORE_SESSION
+
+
 def s3_filesystem(prof: Profile, **extra: Any) -> Any:
-    """A fresh s3fs filesystem for ``prof`` (``skip_instance_cache``: nothing shared across deliveries or event
-    loops), with the profile's connect/read timeouts and botocore standard-mode retries; s3fs's own extra
-    retry loop is disabled so the attempt count is exactly ``max_attempts``."""
+    """A fresh s3fs filesystem for ``prof`` (``skip_instance_cache``: no client, connection pool or event-loop
+    state shared across deliveries or loops; only the process-wide botocore model cache is reused), with the
+    profile's connect/read timeouts and botocore standard-mode retries; s3fs's own extra retry loop is
+    disabled so the attempt count is exactly ``max_attempts``."""
     import s3fs
 
     opts = dict(prof.storage_options)
+    opts.setdefault("session", _botocore_session())
     cfg = dict(opts.pop("config_kwargs", {}) or {})
     cfg.update(connect_timeout=prof.connect_timeout_s, read_timeout=prof.read_timeout_s,
                retries={"max_attempts": prof.max_attempts, "mode": "standard"})
