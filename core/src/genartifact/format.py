@@ -207,13 +207,16 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL) -> EncodedArtifact:
     total = payload_start + payload_len
     if total > MAX_DECODED_BYTES:
         raise ArtifactFormatError(f"decoded artifact is {total} bytes; limit {MAX_DECODED_BYTES}")
-    body = np.zeros(total, np.uint8)  # one buffer, filled in place (no per-tensor byte copies)
+    body = np.empty(total, np.uint8)  # one buffer filled in place; only padding is zeroed explicitly
     body[0:4] = np.frombuffer(struct.pack("<I", len(mbytes)), np.uint8)
     body[4:head] = np.frombuffer(mbytes, np.uint8)
+    pos = head
     for ref, part in zip(refs, parts, strict=True):
         o = payload_start + ref["offset"]
+        body[pos:o] = 0
         dst = body[o : o + ref["byte_count"]].view(DTYPES[ref["dtype"]]).reshape(ref["shape"])
         np.copyto(dst, part.array, casting="same_kind")
+        pos = o + ref["byte_count"]
     _validate_contents(manifest, _views(manifest, memoryview(body), payload_start))
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
     frame = cctx.compress(body)
