@@ -31,10 +31,9 @@ def main() -> None:
     import boto3
     import s3fs
     from botocore.config import Config
-    from moto.server import ThreadedMotoServer
-
     from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles
     from genartifact_http_put_target import PresignedHttpPutTarget, PresignedSettings
+    from moto.server import ThreadedMotoServer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,4 +9,6 @@ def test_real_entry_points_are_installed():
     assert rows[("contents", "moe_routes")]["dist"] == "genartifact-route-capture"
     assert rows[("contents", "selected_logprobs")]["dist"] == "genartifact-logprobs"
     assert rows[("targets", "managed_fsspec")]["dist"] == "genartifact-fsspec-target"
-    assert all(r["enabled"] for r in rows.values())
+    assert rows[("targets", "presigned_http_put")]["dist"] == "genartifact-http-put-target"
+    assert [k for k, r in rows.items() if r["enabled"]] == [
+        ("contents", "moe_routes"), ("contents", "selected_logprobs"), ("targets", "managed_fsspec")]

@@ -159,7 +159,7 @@ def test_reader_checks_declared_size_before_allocating():
     with pytest.raises(ArtifactFormatError, match="exceeds limit"):
         fmt.decode(GOOD[:16] + frame)
     with pytest.raises(ArtifactFormatError, match="exceeds limit"):
-        fmt.decode(GOOD, max_decoded_bytes=100)
+        fmt.decode(GOOD, max_decoded_bytes=800)  # object fits the bound, declared body (848 B) does not
 
 
 def test_reader_rejects_non_canonical_manifest():
@@ -245,3 +245,52 @@ def test_route_layout_compresses_better_than_token_major():
     router_major = len(c.compress(ids.tobytes()))
     token_major = len(c.compress(ids.transpose(1, 0, 2).copy().tobytes()))
     assert router_major < token_major
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: m["tensors"][1].__setitem__("name", 5),
+        lambda m: m["sections"]["moe_routes"].__setitem__("router_ids", [1, 2, "x"]),
+        lambda m: m["tensors"][1].__setitem__("dtype", ["u8"]),
+        lambda m: m.__setitem__("contents", [["moe_routes"], "selected_logprobs"]),
+        lambda m: m["sections"]["moe_routes"].__setitem__("router_ids", [[1], 2, 3]),
+        lambda m: m["tensors"][0].__setitem__("offset", 0.0),
+        lambda m: m.__setitem__("sections", ["moe_routes"]),
+        lambda m: m["tensors"][1].__setitem__("shape", [0, 10**30]),
+        lambda m: m["tensors"][1].__setitem__("shape", [1] * 70),
+        lambda m: m.__setitem__("header", "x"),
+        lambda m: m["sections"]["moe_routes"].__setitem__("top_k", 2.0),
+        lambda m: m["sections"].__setitem__("moe_routes", "x"),
+    ],
+    ids=["name-int", "router-mixed", "dtype-list", "contents-nested", "router-nested", "offset-float",
+         "sections-list", "shape-huge", "rank-70", "header-str", "topk-float", "section-str"],
+)
+def test_hostile_manifests_only_raise_format_errors(mutate):
+    with pytest.raises(ArtifactFormatError):
+        fmt.decode(_with_manifest(GOOD, mutate))
+
+
+def test_deeply_nested_manifest_is_a_format_error():
+    body = _body(GOOD)
+    (mlen,) = struct.unpack_from("<I", body, 0)
+    deep = b"[" * 50_000 + b"]" * 50_000
+    head = struct.pack("<I", len(deep)) + deep
+    with pytest.raises(ArtifactFormatError):
+        fmt.decode(_repack(head + b"\0" * (fmt.align_up(len(head)) - len(head)) + body[fmt.align_up(4 + mlen):]))
+
+
+def test_non_bytes_input_and_oversized_objects():
+    with pytest.raises(ArtifactFormatError, match="bytes-like"):
+        fmt.decode(10**9)
+    with pytest.raises(ArtifactFormatError, match="largest valid object"):
+        fmt.decode(b"\0" * (fmt.MAX_OBJECT_BYTES + 1))
+
+
+def test_reader_honours_env_decoded_limit(monkeypatch):
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "100")
+    with pytest.raises(ArtifactFormatError, match="limit 100|largest valid object"):
+        fmt.decode(GOOD)
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "abc")
+    with pytest.raises(ArtifactFormatError, match="GENARTIFACT_MAX_DECODED_BYTES"):
+        fmt.decode(GOOD)

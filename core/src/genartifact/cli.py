@@ -19,26 +19,54 @@ from genartifact.errors import GenartifactError
 from genartifact.logging import configure_logging
 
 
+def _read_capped(f: Any, what: str) -> bytes:
+    from genartifact.format import MAX_OBJECT_BYTES
+
+    data = f.read(MAX_OBJECT_BYTES + 1)
+    if len(data) > MAX_OBJECT_BYTES:
+        raise GenartifactError(f"{what} is larger than the largest valid artifact ({MAX_OBJECT_BYTES} bytes)")
+    return bytes(data)
+
+
 def _read_object(ref: str, cfg_path: str | None) -> bytes:
     """Read an object by local path, fsspec URL (``s3://…``, ``memory://…``) or ``profile:key`` of a
-    managed_fsspec profile in the config."""
-    p = Path(ref)
-    if p.exists():
-        return p.read_bytes()
-    if "://" in ref:
-        import fsspec
+    managed_fsspec profile in the config. Reads at most the largest valid object size (+1 byte to detect
+    more). Raises :class:`GenartifactError` with a clean message for anything missing or unreadable."""
+    try:
+        p = Path(ref)
+        if p.exists():
+            if p.is_dir():
+                raise GenartifactError(f"{ref!r} is a directory, not an artifact")
+            with p.open("rb") as f:
+                return _read_capped(f, ref)
+        if "://" in ref:
+            import fsspec
 
-        with fsspec.open(ref, "rb") as f:
-            return f.read()
-    m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63}):(.+)", ref)
-    if m:
-        cfg = config_mod.load(cfg_path)
-        from genartifact_fsspec_target import open_object, parse_profiles, validate_key
+            with fsspec.open(ref, "rb") as f:
+                return _read_capped(f, ref)
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63}):(.+)", ref)
+        if m:
+            cfg = config_mod.load(cfg_path)
+            from genartifact_fsspec_target import _fs_and_path, parse_profiles, validate_key
 
-        profiles = parse_profiles(cfg.targets.get("managed_fsspec", {}), cfg.base_dir)
-        if m.group(1) in profiles:
-            return open_object(profiles[m.group(1)], validate_key(m.group(2)))
+            profiles = parse_profiles(cfg.targets.get("managed_fsspec", {}), cfg.base_dir)
+            if m.group(1) in profiles:
+                fs, path = _fs_and_path(profiles[m.group(1)], validate_key(m.group(2)))
+                with fs.open(path, "rb") as f:
+                    return _read_capped(f, ref)
+    except GenartifactError:
+        raise
+    except (OSError, ValueError) as e:
+        raise GenartifactError(f"object {ref!r} cannot be read: {type(e).__name__}") from None
     raise GenartifactError(f"object {ref!r} not found: give a file path, an fsspec URL or profile:key")
+
+
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _safe(value: Any) -> str:
+    """Text from an untrusted artifact, with control characters escaped (no terminal escape injection)."""
+    return _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
 
 
 def _summary(art: Any) -> dict[str, Any]:
@@ -101,15 +129,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(s, indent=2))
     else:
+        hdr = s["header"]
+        model = hdr.get("model") if isinstance(hdr.get("model"), dict) else {}
         print(f"{s['format']} v{s['version'][0]}.{s['version'][1]}  {s['byte_count']} bytes  sha256 {s['sha256']}")
-        print(f"contents: {', '.join(s['contents'])}; tokens: prompt {s['prompt_token_count']} + completion {s['completion_token_count']}")
-        print(f"engine: {s['header'].get('engine')}  model: {s['header'].get('model', {}).get('name')}")
+        print(_safe(f"contents: {', '.join(s['contents'])}; tokens: prompt {s['prompt_token_count']} + completion "
+                    f"{s['completion_token_count']}"))
+        print(_safe(f"engine: {hdr.get('engine')}  model: {model.get('name')}"))
         for t in s["tensors"]:
-            print(f"  {t['name']:28} {t['dtype']:4} {str(t['shape']):18} {t['byte_count']} bytes")
+            print(_safe(f"  {t['name']:28} {t['dtype']:4} {str(t['shape']):18} {t['byte_count']} bytes"))
         if "moe_routes" in s:
             r = s["moe_routes"]
-            print(f"moe_routes: {r['rows']} rows x {len(r['routers'])} routers {r['routers']} x top-{r['top_k']}, "
-                  f"start {r['token_start']}, source {r['source']}; row 0: {r['first_row']}")
+            print(_safe(f"moe_routes: {r['rows']} rows x {len(r['routers'])} routers {r['routers']} x top-{r['top_k']}, "
+                        f"start {r['token_start']}, source {r['source']}; row 0: {r['first_row']}"))
         if "selected_logprobs" in s:
             lp = s["selected_logprobs"]
             print(f"selected_logprobs: {lp['count']} values, mean {lp['mean']}")
@@ -121,8 +152,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.receipts:
         return _verify_receipts(args.receipts, args.config)
-    if not args.object or not args.sha256:
-        raise GenartifactError("verify needs OBJECT and --sha256 H, or --receipts FILE")
+    if not args.object:
+        raise GenartifactError("verify needs OBJECT [--sha256 H], or --receipts FILE")
+    if args.sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", args.sha256):
+        raise GenartifactError("--sha256 must be 64 hexadecimal characters")
     data = _read_object(args.object, args.config)
     digest = hashlib.sha256(data).hexdigest()
     if args.sha256 and digest != args.sha256.lower():
@@ -134,23 +167,41 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_receipts(path: str, cfg_path: str | None) -> int:
-    """Check every ready receipt of a receipts.jsonl: object readable, SHA-256 and size match, decodes."""
+    """Check every ready receipt of a receipts.jsonl: object readable, SHA-256 and size match, strict decode.
+    Each bad line or object counts as a failure; nothing aborts the scan."""
     from genartifact.format import decode
 
+    try:
+        lines = [x for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenartifactError(f"receipts file {path!r} cannot be read: {type(e).__name__}") from None
     bad = 0
-    lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
-    for r in lines:
+    for n, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            print(f"line {n}: not a JSON object")
+            bad += 1
+            continue
+        label = f"#{_safe(r.get('index', n))}"
         if r.get("state") != "ready":
-            print(f"#{r.get('index')}: {r.get('state')} {r.get('error_code')}")
+            print(f"{label}: {_safe(r.get('state'))} {_safe(r.get('error_code'))}")
             bad += 1
             continue
-        data = _read_object(r["object_id"], cfg_path)
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != r["sha256"] or len(data) != r["byte_count"]:
-            print(f"#{r.get('index')}: MISMATCH {r['object_id']}")
+        if not isinstance(r.get("object_id"), str) or not isinstance(r.get("sha256"), str):
+            print(f"{label}: ready receipt without object_id/sha256")
             bad += 1
             continue
-        decode(data)
+        try:
+            data = _read_object(r["object_id"], cfg_path)
+            if hashlib.sha256(data).hexdigest() != r["sha256"] or len(data) != r.get("byte_count"):
+                raise GenartifactError("sha256 or byte_count mismatch")
+            decode(data)
+        except GenartifactError as e:
+            print(f"{label}: {_safe(r['object_id'])}: {_safe(e)}")
+            bad += 1
     print(f"{len(lines) - bad}/{len(lines)} receipts verified (sha256, byte_count, strict decode)")
     return 0 if bad == 0 else 1
 
@@ -208,7 +259,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from genartifact.engine.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.out, family=args.family)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise GenartifactError(f"{args.out!r} exists and is not an empty directory; pass --force to overwrite")
+    path = make_tiny_model(out, family=args.family)
     print(f"tiny {args.family} model written to {path}")
     return 0
 
@@ -231,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = add("verify", cmd_verify, "check an artifact's SHA-256 and decode it strictly")
     p.add_argument("object", nargs="?")
-    p.add_argument("--sha256")
+    p.add_argument("--sha256", help="expected SHA-256 (hex); without it only the strict decode is checked")
     p.add_argument("--receipts", help="verify every receipt of a receipts.jsonl instead")
     p = add("generate", cmd_generate, "run prompts through vLLM and store one artifact per request")
     p.add_argument("--model", required=True, help="local model directory")
@@ -240,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="managed_fsspec:local",
                    help="KIND:PROFILE shorthand for managed_fsspec, or a JSON target object")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--out", default=None, help="receipts.jsonl path (default: ./artifacts/receipts.jsonl)")
+    p.add_argument("--out", default=None,
+                   help="receipts.jsonl path, must not exist (default: artifacts/runs/<run-id>/receipts.jsonl)")
     p.add_argument("--run-id", default=None)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -252,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("make-tiny-model", cmd_make_tiny_model, "build a deterministic tiny MoE checkpoint")
     p.add_argument("out")
     p.add_argument("--family", choices=["qwen3_moe", "deepseek"], default="qwen3_moe")
+    p.add_argument("--force", action="store_true", help="overwrite an existing model directory")
     return ap
 
 

@@ -79,7 +79,8 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
         names = plugins_raw.get(kind, [])
         if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
             raise ConfigError(f"{source}: [plugins].{kind} must be a list of non-empty strings")
-        if len(set(names)) != len(names):
+        norm = [n.strip().replace("-", "_") for n in names]
+        if len(set(norm)) != len(norm):
             raise ConfigError(f"{source}: [plugins].{kind} lists a name twice: {names}")
         plugins[kind] = list(names)
     targets = data.get("targets", {})
@@ -99,4 +100,6 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8") from None
     return parse(text, source=str(p), base_dir=p.resolve().parent)

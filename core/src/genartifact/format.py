@@ -295,16 +295,33 @@ def read_prelude(data: bytes | memoryview) -> None:
         raise _fail("reserved prelude bytes must be zero")
 
 
-def decode(data: bytes, *, max_decoded_bytes: int = MAX_DECODED_BYTES) -> Artifact:
-    """Decode and validate one object. Bounded: the frame's declared content size is checked against
-    ``max_decoded_bytes`` (capped at :data:`MAX_DECODED_BYTES`) before any allocation.
+MAX_OBJECT_BYTES = encoded_size_bound(MAX_DECODED_BYTES)
 
-    Raises :class:`ArtifactFormatError` for bad magic/version/codec, truncation, a frame without a
-    declared size, trailing data or extra frames, non-canonical manifest, bad tensor placement,
-    out-of-range expert ids, NaN/+inf logprobs, or misaligned tensors.
+
+def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | None = None) -> Artifact:
+    """Decode and validate one object. Bounded: objects larger than the encoded bound of the decoded limit
+    are refused, and the frame's declared content size is checked against the decoded limit before any
+    allocation. The decoded limit is ``max_decoded_bytes``, else ``GENARTIFACT_MAX_DECODED_BYTES``, capped at
+    :data:`MAX_DECODED_BYTES` (64 MiB).
+
+    Raises :class:`ArtifactFormatError` (never another exception type) for non-bytes input, bad
+    magic/version/codec, truncation, a frame without a declared size, trailing data or extra frames, a
+    malformed or non-canonical manifest, bad tensor placement, out-of-range expert ids, NaN/+inf logprobs.
     """
-    data = bytes(data)
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ArtifactFormatError(f"data must be bytes-like, got {type(data).__name__}")
+    if max_decoded_bytes is None:
+        from genartifact.limits import max_decoded_bytes as env_limit
+
+        try:
+            max_decoded_bytes = env_limit()
+        except ValueError as e:
+            raise ArtifactFormatError(str(e)) from None
     limit = min(max_decoded_bytes, MAX_DECODED_BYTES)
+    if len(data) > encoded_size_bound(limit):
+        raise _fail(f"object is {len(data)} bytes; the largest valid object for a {limit}-byte body is "
+                    f"{encoded_size_bound(limit)}")
+    data = bytes(data)
     read_prelude(data)
     frame = data[PRELUDE_SIZE:]
     try:
@@ -329,9 +346,16 @@ def decode(data: bytes, *, max_decoded_bytes: int = MAX_DECODED_BYTES) -> Artifa
         raise _fail(f"{len(dobj.unused_data)} bytes of trailing data after the zstd frame")
     if len(body) != size:
         raise _fail(f"decoded {len(body)} bytes but the frame declared {size}")
-    manifest, payload_start = _parse_manifest(body)
-    views = _views(manifest, memoryview(body), payload_start)
-    _validate_contents(manifest, views)
+    try:
+        manifest, payload_start = _parse_manifest(body)
+        views = _views(manifest, memoryview(body), payload_start)
+        _validate_contents(manifest, views)
+    except ArtifactFormatError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        # a safety net: every structural check below is explicit, but hostile manifests must never surface
+        # as anything but a format error
+        raise _fail(f"malformed manifest ({type(e).__name__})") from None
     return Artifact(manifest=manifest, tensors=views, sha256=hashlib.sha256(data).hexdigest(), byte_count=len(data))
 
 
@@ -362,6 +386,9 @@ def _parse_manifest(body: bytes) -> tuple[dict[str, Any], int]:
         raise _fail("manifest is not canonical (sorted keys, compact separators, ASCII)")
     if set(manifest) != _MANIFEST_KEYS:
         raise _fail(f"manifest keys {sorted(manifest)}; expected {sorted(_MANIFEST_KEYS)}")
+    for key, typ in (("header", dict), ("sections", dict), ("contents", list), ("tensors", list)):
+        if not isinstance(manifest[key], typ):
+            raise _fail(f"manifest {key} must be a JSON {'object' if typ is dict else 'array'}")
     if manifest["format"] != FORMAT_NAME or manifest["version"] != [MAJOR, MINOR]:
         raise _fail(f"manifest format/version {manifest['format']!r} {manifest['version']!r}; expected {FORMAT_NAME} [1, 0]")
     payload_start = align_up(4 + mlen)
@@ -370,6 +397,11 @@ def _parse_manifest(body: bytes) -> tuple[dict[str, Any], int]:
     refs = manifest["tensors"]
     if not isinstance(refs, list) or not refs or not all(isinstance(r, dict) and set(r) == _REF_KEYS for r in refs):
         raise _fail(f"manifest tensors must be a non-empty list of objects with keys {sorted(_REF_KEYS)}")
+    for r in refs:
+        if not isinstance(r["name"], str) or not isinstance(r["dtype"], str) or not _is_int(r["offset"]):
+            raise _fail("tensor name and dtype must be strings and offset an integer")
+        if not isinstance(r["shape"], list) or len(r["shape"]) > 8:
+            raise _fail(f"tensor {r['name']!r} shape must be a list of at most 8 dimensions")
     names = [r["name"] for r in refs]
     if names[0] != "token_ids" or names[1:] != sorted(names[1:]) or len(set(names)) != len(names):
         raise _fail("tensors must start with token_ids followed by unique names in sorted order")
@@ -381,6 +413,8 @@ def _parse_manifest(body: bytes) -> tuple[dict[str, Any], int]:
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise _fail(f"tensor {r['name']!r} shape {shape!r} invalid")
         expect_bytes = math.prod(shape) * DTYPES[r["dtype"]].itemsize
+        if expect_bytes > len(body):
+            raise _fail(f"tensor {r['name']!r} shape {shape} is larger than the body")
         if not _is_int(r["byte_count"]) or r["byte_count"] != expect_bytes:
             raise _fail(f"tensor {r['name']!r} byte_count {r['byte_count']!r} != shape x itemsize {expect_bytes}")
         pos = align_up(pos)
@@ -396,8 +430,9 @@ def _parse_manifest(body: bytes) -> tuple[dict[str, Any], int]:
     if not (_is_int(p) and _is_int(c) and p >= 0 and c >= 0 and p + c == tok["shape"][0]):
         raise _fail("prompt_token_count + completion_token_count must equal len(token_ids)")
     contents = manifest["contents"]
-    if not isinstance(contents, list) or contents != sorted(set(contents)) or sorted(manifest["sections"]) != contents:
-        raise _fail("contents must be sorted, unique and match sections")
+    if not all(isinstance(c, str) for c in contents) or contents != sorted(set(contents)) \
+            or sorted(manifest["sections"]) != contents:
+        raise _fail("contents must be sorted unique strings matching the sections")
     for n in names[1:]:
         if n.split(".", 1)[0] not in contents:
             raise _fail(f"tensor {n!r} belongs to no declared content")
@@ -441,11 +476,11 @@ def _validate_contents(manifest: dict[str, Any], views: dict[str, np.ndarray]) -
         rid, ec = s["router_ids"], s["expert_counts"]
         if not (isinstance(rid, list) and isinstance(ec, list) and len(rid) == len(ec) == routers and routers > 0):
             raise _fail(f"router_ids/expert_counts must list {routers} routers")
-        if rid != sorted(set(rid)) or not all(_is_int(x) and x >= 0 for x in rid):
-            raise _fail("router_ids must be unique, ascending, non-negative")
+        if not all(_is_int(x) and x >= 0 for x in rid) or rid != sorted(set(rid)):
+            raise _fail("router_ids must be unique, ascending, non-negative integers")
         if not all(_is_int(x) and 1 <= x <= 65536 for x in ec):
             raise _fail("expert_counts must be in 1..65536")
-        if s["top_k"] != k or k < 1:
+        if not _is_int(s["top_k"]) or s["top_k"] != k or k < 1:
             raise _fail(f"moe_routes top_k {s['top_k']!r} != tensor top_k {k}")
         if manifest["tensors"] and _dtype_of(manifest, "moe_routes.expert_ids") != route_dtype_code(max(ec)):
             raise _fail(f"moe_routes.expert_ids dtype must be {route_dtype_code(max(ec))} for max expert count {max(ec)}")

@@ -100,11 +100,10 @@ class ArtifactSession:
 
         :raises UnknownPluginError: a content name or target kind has no enabled plugin (fail fast).
         """
-        for c in request.contents:
-            host.require("contents", c, "generation_artifact.contents")
+        names = [host.require("contents", c, "generation_artifact.contents").name for c in request.contents]
         host.require("targets", request.target_kind, "generation_artifact.delivery.target.kind")
         producers = []
-        for c in request.contents:
+        for c in names:
             p = host.hooks.content_producer(name=c, model=model)
             if p is None:
                 raise AdmissionError(f"content '{c}': its plugin returned no producer for model {model.name!r}")
@@ -168,6 +167,7 @@ class ArtifactSession:
                 "top_k": sampling.get("top_k"),
                 "seed": sampling.get("seed"),
                 "logprobs_mode": opts.get("logprobs_mode"),
+                "engine_seed": opts.get("seed"),
             },
         }
 

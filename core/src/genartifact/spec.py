@@ -9,6 +9,7 @@ the target plugin.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from genartifact.format import CODECS, FORMAT_NAME
 _TOP = {"format", "contents", "codec", "delivery"}
 _DELIVERY = {"mode", "target"}
 MAX_CONTENTS = 16
+CONTENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -59,14 +61,18 @@ def parse_request(obj: Any, *, n: int = 1) -> ArtifactRequest:
     if spec["format"] != FORMAT_NAME:
         raise RequestSpecError(f"generation_artifact.format {spec['format']!r} unsupported; allowed: ['{FORMAT_NAME}']")
     codec = spec.get("codec", "zstd")
-    if codec not in CODECS:
+    if not isinstance(codec, str) or codec not in CODECS:
         raise RequestSpecError(f"generation_artifact.codec {codec!r} unsupported; allowed: {sorted(CODECS)}")
     contents = spec["contents"]
     if not isinstance(contents, list) or not contents or not all(isinstance(c, str) and c for c in contents):
         raise RequestSpecError("generation_artifact.contents must be a non-empty list of content names")
     if len(contents) > MAX_CONTENTS:
         raise RequestSpecError(f"generation_artifact.contents has {len(contents)} names; at most {MAX_CONTENTS}")
-    dup = sorted({c for c in contents if contents.count(c) > 1})
+    bad = [c for c in contents if not CONTENT_NAME.fullmatch(c)]
+    if bad:
+        raise RequestSpecError(f"generation_artifact.contents name {bad[0]!r} invalid; allowed: [A-Za-z0-9_.-], 1..64 chars")
+    norm = [c.replace("-", "_") for c in contents]  # plugin names treat '-' and '_' alike
+    dup = sorted({c for c in norm if norm.count(c) > 1})
     if dup:
         raise RequestSpecError(f"generation_artifact.contents has duplicates: {dup}")
     delivery = _keys(spec["delivery"], _DELIVERY, _DELIVERY, "generation_artifact.delivery")
@@ -75,6 +81,6 @@ def parse_request(obj: Any, *, n: int = 1) -> ArtifactRequest:
     target = delivery["target"]
     if not isinstance(target, Mapping) or not isinstance(target.get("kind"), str) or not target["kind"]:
         raise RequestSpecError("generation_artifact.delivery.target must be an object with a string 'kind'")
-    if isinstance(n, bool) or n != 1:
+    if not isinstance(n, int) or isinstance(n, bool) or n != 1:
         raise RequestSpecError(f"generation artifacts require n=1 (one choice per request); got n={n!r}")
-    return ArtifactRequest(contents=tuple(contents), target=dict(target), codec=codec)
+    return ArtifactRequest(contents=tuple(norm), target=dict(target), codec=codec)

@@ -37,7 +37,7 @@ def test_relative_url_resolves_against_base_dir(tmp_path):
         ({"p": {"url": "memory://x", "allowed_prefixes": []}}, "non-empty list"),
         ({"p": {"url": "memory://x", "allowed_prefixes": ["../up"]}}, "normalized"),
         ({"p": {"url": "memory://x", "allowed_prefixes": [""], "max_bytes": 0}}, "max_bytes"),
-        ({"p": {"url": "memory://x", "allowed_prefixes": [""], "password": "hunter2"}}, "allowed keys"),
+        ({"p": {"url": "memory://x", "allowed_prefixes": [""], "password": "hunter2"}}, r"unknown key\(s\) \['password'\]"),
     ],
 )
 def test_bad_profiles(profiles, match):
@@ -57,6 +57,9 @@ def test_prefix_boundary(tmp_path):
     assert t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "other/x/y"}).object_id == "disk:other/x/y"
     with pytest.raises(TargetError, match="outside"):
         t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "other/xy"})
+    for key in ("runs", "other/x"):  # the prefix itself is a directory, never an object
+        with pytest.raises(TargetError, match="outside"):
+            t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": key})
 
 
 def test_storage_options_never_in_repr(tmp_path):
@@ -74,6 +77,9 @@ def test_local_create_only_atomic_no_temp_left(tmp_path):
     assert e.value.code == "object_exists"
     assert (tmp_path / "runs/a/b.gart").read_bytes() == b"first"
     assert os.listdir(tmp_path / "runs/a") == ["b.gart"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "runs/a/b.gart").stat().st_mode & 0o777 == 0o666 & ~mask  # readable by a trainer
 
 
 def test_local_write_failure_leaves_nothing(tmp_path):

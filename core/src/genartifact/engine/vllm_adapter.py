@@ -102,6 +102,7 @@ class VllmEngine:
                 "max_model_len": int(mc.max_model_len),
                 "device": str(vcfg.device_config.device_type),
                 "chunked_prefill": bool(vcfg.scheduler_config.enable_chunked_prefill),
+                "seed": mc.seed,
             },
             config_sha256=hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest(),
         )
@@ -112,7 +113,10 @@ class VllmEngine:
         return self
 
     async def worker_call(self, method: str, *args: Any) -> list[Any]:
-        """Run the genartifact worker hook ``method`` on every worker via ``collective_rpc``."""
+        """Run the genartifact worker hook ``method`` on every worker via ``collective_rpc``.
+        Raises ``RuntimeError`` if the engine is not running."""
+        if self.llm is None:
+            raise RuntimeError("engine is not running")
         return await self.llm.collective_rpc("genartifact_call", args=(method, *args))
 
     def shutdown(self) -> None:

@@ -111,7 +111,9 @@ def validate_key(key: Any, field_name: str = "object_key") -> str:
 
 
 def _under(key: str, prefix: str) -> bool:
-    return prefix == "" or key == prefix.rstrip("/") or key.startswith(prefix if prefix.endswith("/") else prefix + "/")
+    """``key`` lies strictly below ``prefix`` (a directory-like prefix: ``runs`` and ``runs/`` both mean
+    ``runs/...``; the prefix itself is not a valid key, so an object can never take a directory's place)."""
+    return prefix == "" or key.startswith(prefix.rstrip("/") + "/")
 
 
 def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None) -> dict[str, Profile]:
@@ -139,8 +141,12 @@ def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None) ->
         where = f"[targets.managed_fsspec.profiles.{name}]"
         if not PROFILE_NAME.fullmatch(name):
             raise ConfigError(f"{where}: profile name must match {PROFILE_NAME.pattern}")
-        if not isinstance(p, Mapping) or set(p) - _PROFILE_KEYS or "url" not in p or "allowed_prefixes" not in p:
-            raise ConfigError(f"{where}: needs 'url' and 'allowed_prefixes'; allowed keys: {sorted(_PROFILE_KEYS)}")
+        if not isinstance(p, Mapping):
+            raise ConfigError(f"{where} must be a table")
+        if set(p) - _PROFILE_KEYS:
+            raise ConfigError(f"{where}: unknown key(s) {sorted(set(p) - _PROFILE_KEYS)}; allowed: {sorted(_PROFILE_KEYS)}")
+        if "url" not in p or "allowed_prefixes" not in p:
+            raise ConfigError(f"{where}: needs 'url' and 'allowed_prefixes'")
         url = p["url"]
         if not isinstance(url, str) or not url:
             raise ConfigError(f"{where}.url must be a non-empty string")
@@ -226,6 +232,15 @@ class ManagedFsspecTarget:
         return target.object_id
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 def _write_local_create_only(dest: Path, data: bytes) -> None:
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -233,6 +248,7 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
     except OSError:
         raise DeliveryError("managed artifact write failed") from None
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; published objects follow the umask like any file
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -1,0 +1,180 @@
+"""`genartifact generate` refuses bad input before the engine starts; CLI errors are clean (no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from genartifact import config as config_mod
+from genartifact.cli import main
+from genartifact.engine.job import read_prompts, run_generate, target_for
+from genartifact.errors import RequestSpecError
+from genartifact.spec import parse_request
+
+
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        ({"prompt": "x", "max_tokens": "abc"}, "max_tokens=\"abc\" invalid; allowed: an integer"),
+        ({"prompt": "x", "max_tokens": 2.9}, "max_tokens=2.9"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens=true"),
+        ({"prompt": "x", "routed_experts_prompt_start": "2"}, "routed_experts_prompt_start"),
+        ({"prompt": "x", "routed_experts_prompt_start": 2.7}, "routed_experts_prompt_start"),
+        ({"prompt": "x", "routed_experts_prompt_start": True}, "routed_experts_prompt_start"),
+        ({"prompt": "x", "temperature": None}, "temperature=null"),
+        ({"prompt": "x", "logprobs": 100}, "logprobs=100 invalid; allowed: an integer 0..20"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "contents": []}, "contents"),
+        ({"prompt": "x", "target": ["a"]}, "target"),
+        ({"prompt": ""}, "prompt"),
+    ],
+)
+def test_prompt_rows_are_strict(tmp_path, row, match):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps(row) + "\n")
+    with pytest.raises(RequestSpecError, match=match):
+        read_prompts(f)
+
+
+def test_nan_and_non_utf8_prompt_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "x", "temperature": NaN}\n')
+    with pytest.raises(RequestSpecError, match="NaN is not valid JSON"):
+        read_prompts(f)
+    f.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(RequestSpecError, match="not UTF-8"):
+        read_prompts(f)
+
+
+def test_target_template_placeholders():
+    t = target_for('{"kind": "managed_fsspec", "profile": "p", "object_key": "runs/{run_id}/{index}.gart"}', "r1", 3)
+    assert t["object_key"] == "runs/r1/00003.gart"
+    with pytest.raises(RequestSpecError, match="placeholders"):
+        target_for('{"kind": "managed_fsspec", "profile": "p", "object_key": "runs/{foo}.gart"}', "r", 0)
+
+
+def test_spec_normalizes_and_rejects_names():
+    assert parse_request({"format": "generation_artifact_v1", "contents": ["moe-routes"],
+                          "delivery": {"mode": "object_store", "target": {"kind": "k"}}}).contents == ("moe_routes",)
+    for contents, match in (([" moe_routes "], "invalid"), (["moe_routes", "moe-routes"], "duplicates")):
+        with pytest.raises(RequestSpecError, match=match):
+            parse_request({"format": "generation_artifact_v1", "contents": contents,
+                           "delivery": {"mode": "object_store", "target": {"kind": "k"}}})
+    with pytest.raises(RequestSpecError, match="codec"):
+        parse_request({"format": "generation_artifact_v1", "contents": ["a"], "codec": ["zstd"],
+                       "delivery": {"mode": "object_store", "target": {"kind": "k"}}})
+    with pytest.raises(RequestSpecError, match="n=1"):
+        parse_request({"format": "generation_artifact_v1", "contents": ["a"],
+                       "delivery": {"mode": "object_store", "target": {"kind": "k"}}}, n=1.0)
+
+
+def test_invalid_rows_are_rejected_without_starting_the_engine(tmp_path):
+    cfg = config_mod.parse(config_mod.DEFAULT_TOML, source="d", base_dir=tmp_path)
+    rows = [{"prompt": "a", "contents": ["moe_route"]},
+            {"prompt": "b", "target": {"kind": "managed_fsspec", "profile": "local", "object_key": "../x"}},
+            {"prompt": "c", "target": {"kind": "managed_fsspec", "profile": "nope", "object_key": "runs/x"}}]
+    t0 = time.monotonic()
+    receipts = asyncio.run(run_generate(model="/nonexistent", prompts=rows, cfg=cfg, contents=["selected_logprobs"],
+                                        target="managed_fsspec:local", max_tokens=4, run_id="r", engine_kwargs={},
+                                        progress=False))
+    assert time.monotonic() - t0 < 5  # no engine start
+    assert [r["error_code"] for r in receipts] == ["request_invalid"] * 3
+    assert "did you mean 'moe_routes'" in receipts[0]["error"]
+    assert "normalized" in receipts[1]["error"] and "'nope' unknown" in receipts[2]["error"]
+    assert not (tmp_path / "artifacts").exists()
+
+
+def _generate(tmp_path, *extra, prompts='{"prompt": "x"}\n'):
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "m/config.json").write_text("{}")
+    p = tmp_path / "p.jsonl"
+    p.write_text(prompts)
+    return main(["generate", "--model", str(tmp_path / "m"), "--prompts", str(p), *extra])
+
+
+def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (("--run-id", "../../escape"), "--run-id '../../escape' invalid"),
+        (("--out", str(tmp_path)), "already exists"),
+        (("--target", '{"kind": '), "--target is not valid JSON"),
+    ]
+    for extra, match in cases:
+        assert _generate(tmp_path, *extra) == 2
+        assert match in capsys.readouterr().err
+    (tmp_path / "artifacts/runs/r1").mkdir(parents=True)
+    (tmp_path / "artifacts/runs/r1/receipts.jsonl").write_text("precious\n")
+    assert _generate(tmp_path, "--run-id", "r1") == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "artifacts/runs/r1/receipts.jsonl").read_text() == "precious\n"
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+    monkeypatch.setenv("GENARTIFACT_PIPELINE_CONCURRENCY", "abc")
+    assert _generate(tmp_path, "--run-id", "r2") == 2
+    assert "GENARTIFACT_PIPELINE_CONCURRENCY" in capsys.readouterr().err
+
+
+def test_unknown_target_table_is_an_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[plugins]\ncontents = ["selected_logprobs"]\ntargets = ["managed_fsspec"]\n'
+                   '[targets.managed_fsspec.profiles.local]\nurl = "./a"\nallowed_prefixes = ["runs/"]\n'
+                   '[targets.ftp_upload]\nhost = "x"\n')
+    assert _generate(tmp_path, "--config", str(cfg), "--run-id", "r3") == 2
+    assert "[targets.ftp_upload] names no installed target kind" in capsys.readouterr().err
+    assert not (tmp_path / "artifacts").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize("ref, match", [(".", "is a directory"), ("memory://nothing/here", "cannot be read"),
+                                        ("file:///nonexistent/x", "cannot be read"), ("local:runs/missing.gart", "cannot be read"),
+                                        ("/dev/zero", "larger than the largest valid artifact")])
+def test_inspect_clean_errors(tmp_path, capsys, monkeypatch, ref, match):
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", ref]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_inspect_escapes_control_characters(tmp_path, capsys):
+    import numpy as np
+    from genartifact import format as fmt
+
+    inp = fmt.ArtifactInput(np.arange(3, dtype=np.uint32), 2, ["selected_logprobs"],
+                            {"selected_logprobs": {"token_start": 2}},
+                            [fmt.TensorPart("selected_logprobs.logprobs", np.array([-1.0], np.float32))],
+                            header={"model": {"name": "\x1b[31mevil\r\x1b[2Kfake line"}})
+    p = tmp_path / "a.gart"
+    p.write_bytes(fmt.encode(inp).data)
+    assert main(["inspect", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "\\x1b[31mevil" in out
+
+
+def test_verify_receipts_counts_bad_lines(tmp_path, capsys):
+    r = tmp_path / "r.jsonl"
+    r.write_text('not json\n[1]\n{"state": "ready"}\n{"state": "ready", "object_id": "/nope", "sha256": "x"}\n')
+    assert main(["verify", "--receipts", str(r)]) == 1
+    out = capsys.readouterr().out
+    assert "0/4 receipts verified" in out
+
+
+def test_verify_sha_format_and_decode_only(tmp_path, capsys):
+    import numpy as np
+    from genartifact import format as fmt
+
+    p = tmp_path / "a.gart"
+    inp = fmt.ArtifactInput(np.arange(2, dtype=np.uint32), 2, ["selected_logprobs"],
+                            {"selected_logprobs": {"token_start": 2}},
+                            [fmt.TensorPart("selected_logprobs.logprobs", np.zeros(0, np.float32))])
+    p.write_bytes(fmt.encode(inp).data)
+    assert main(["verify", str(p)]) == 0
+    assert main(["verify", str(p), "--sha256", " abc"]) == 2
+    assert "64 hexadecimal" in capsys.readouterr().err
+
+
+def test_make_tiny_model_refuses_existing(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["make-tiny-model", str(f)]) == 2
+    assert "pass --force" in capsys.readouterr().err
