@@ -30,10 +30,14 @@ PROMPTS = [
 CONTENTS = ["moe_routes", "selected_logprobs"]
 EXTRA: dict = {}
 INFLIGHT = [16]
+STREAM = [True]
+OFF_EXTRA: dict = {}
+TARGET_URL = [""]
 
 
 async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
-    settings = {"managed_fsspec": {"profiles": {"b": {"url": f"file://{root}", "allowed_prefixes": ["runs/"]}}}}
+    url = TARGET_URL[0] or f"file://{root}"
+    settings = {"managed_fsspec": {"profiles": {"b": {"url": url, "allowed_prefixes": ["runs/"]}}}}
 
     def spec():
         return {"format": "generation_artifact_v1", "contents": CONTENTS,
@@ -44,8 +48,9 @@ async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
 
     async def one(ids):
         async with gate:
-            return await engine.run(ids, {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, **EXTRA},
-                                    spec() if artifacts else None, settings)
+            extra = EXTRA if artifacts else {**EXTRA, **OFF_EXTRA}
+            return await engine.run(ids, {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, **extra},
+                                    spec() if artifacts else None, settings, stream=STREAM[0])
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(one(ids) for ids in ids_list))
@@ -122,10 +127,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--contents", default=",".join(CONTENTS))
+    ap.add_argument("--off-logprobs", action="store_true",
+                    help="'off' requests ask vLLM for the sampled token's logprob too (logprobs=0, flat)")
+    ap.add_argument("--final-only", action="store_true", help="one final output per request (the generate job's mode)")
+    ap.add_argument("--target-url", default="", help="managed_fsspec profile URL (default: a temp dir, file://)")
     ap.add_argument("--no-detokenize", action="store_true", help="detokenize=False for every request (token-in/out)")
     args = ap.parse_args()
     CONTENTS[:] = args.contents.split(",")
     INFLIGHT[0] = args.inflight
+    TARGET_URL[0] = args.target_url
+    STREAM[0] = not args.final_only
+    if args.off_logprobs:
+        OFF_EXTRA.update(logprobs=0, flat_logprobs=True)
     if args.no_detokenize:
         EXTRA["detokenize"] = False
     asyncio.run(main_async(args))

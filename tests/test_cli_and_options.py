@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -126,3 +127,26 @@ def test_prompts_file_errors_name_the_line(tmp_path, bad):
     f.write_text('{"prompt": "ok"}\n' + bad + "\n" if bad else "\n")
     with pytest.raises(RequestSpecError, match=r"p.jsonl(:2)?|no prompts"):
         read_prompts(f)
+
+
+async def test_worker_calls_in_one_turn_are_coalesced_into_one_rpc():
+    from genartifact.engine.vllm_adapter import VllmEngine
+
+    class FakeLLM:
+        def __init__(self):
+            self.rpcs = []
+
+        async def collective_rpc(self, name, args=()):
+            self.rpcs.append(args)
+            if args[0] == "batch":
+                return [[f"w0:{a[0]}" for a in args[2]], [f"w1:{a[0]}" for a in args[2]]]
+            arg = args[1] if len(args) > 1 else None
+            return [f"w0:{arg}", f"w1:{arg}"]
+
+    eng = VllmEngine(PluginHost({}), "/m")
+    eng.llm = FakeLLM()
+    got = await asyncio.gather(*(eng.worker_call("moe_routes.fetch", f"c{i}", 0, 5) for i in range(5)))
+    assert got == [[f"w0:c{i}", f"w1:c{i}"] for i in range(5)]
+    assert len(eng.llm.rpcs) == 1 and eng.llm.rpcs[0][:2] == ("batch", "moe_routes.fetch")
+    assert await eng.worker_call("moe_routes.stats") == ["w0:None", "w1:None"]
+    assert len(eng.llm.rpcs) == 2 and eng.llm.rpcs[1] == ("moe_routes.stats",)

@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = add("make-tiny-model", cmd_make_tiny_model, "build a deterministic tiny MoE checkpoint")
     p.add_argument("out")
-    p.add_argument("--family", choices=["qwen3_moe", "deepseek"], default="qwen3_moe")
+    p.add_argument("--family", choices=["qwen3_moe", "qwen3_moe_small", "deepseek"], default="qwen3_moe")
     p.add_argument("--force", action="store_true", help="overwrite an existing model directory")
     return ap
 

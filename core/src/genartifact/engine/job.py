@@ -181,7 +181,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config
                     if max_len and len(ids) >= max_len:
                         raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
                     res = await engine.run(ids, sampling, specs[i], settings,
-                                           routes_start=row.get("routed_experts_prompt_start", 0), journal=journal)
+                                           routes_start=row.get("routed_experts_prompt_start", 0), journal=journal,
+                                           stream=False)  # a batch job consumes no per-token output
                     receipt = dict(res.receipt or {})
                     receipt.update(index=i, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
                 except GenartifactError as e:  # refused before inference: specific message, nothing stored

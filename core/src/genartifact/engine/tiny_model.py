@@ -2,7 +2,7 @@
 corpus, saved as ``PreTrainedTokenizerFast``. No model hub is needed.
 
 Families: ``qwen3_moe`` (4 layers, all MoE, 8 experts, top-2, head_dim 64 because vLLM's CPU attention
-rejects 16) and ``deepseek`` (DeepSeek-V3 style, MLA, dense first layer ``first_k_dense_replace=1``; the
+rejects 16), ``qwen3_moe_small`` (~45 M parameters, 6 layers, 16 experts, top-4; for benchmarks) and ``deepseek`` (DeepSeek-V3 style, MLA, dense first layer ``first_k_dense_replace=1``; the
 CPU MLA backend needs kv_lora_rank 512 + rope 64).
 """
 
@@ -61,19 +61,28 @@ def make_tokenizer(out_dir: str, vocab_size: int = VOCAB):
     return fast
 
 
-def _qwen3_moe_config(mlp_only_layers: list[int]):  # noqa: ANN202
+QWEN_SIZES = {
+    # name: hidden, intermediate, moe_intermediate, layers, heads, kv_heads, experts, top_k
+    "qwen3_moe": (128, 128, 64, 4, 4, 2, 8, 2),
+    # ~45 M parameters: steps long enough that per-step host overheads are no longer the whole story
+    "qwen3_moe_small": (512, 1024, 256, 6, 8, 4, 16, 4),
+}
+
+
+def _qwen3_moe_config(mlp_only_layers: list[int], size: str = "qwen3_moe"):  # noqa: ANN202
     from transformers import Qwen3MoeConfig
 
+    hidden, inter, moe_inter, layers, heads, kv, experts, top_k = QWEN_SIZES[size]
     cfg = Qwen3MoeConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        moe_intermediate_size=moe_inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
         decoder_sparse_step=1,
         mlp_only_layers=list(mlp_only_layers),
         max_position_embeddings=2048,
@@ -127,7 +136,7 @@ def _deepseek_config():
     return cfg
 
 
-FAMILIES = ("qwen3_moe", "deepseek")
+FAMILIES = ("qwen3_moe", "qwen3_moe_small", "deepseek")
 
 
 def make_tiny_model(out_dir: str | os.PathLike[str], family: str = "qwen3_moe") -> Path:
@@ -144,7 +153,7 @@ def make_tiny_model(out_dir: str | os.PathLike[str], family: str = "qwen3_moe") 
         raise ValueError(f"family {family!r} unknown; allowed: {list(FAMILIES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _qwen3_moe_config([]) if family == "qwen3_moe" else _deepseek_config()
+    cfg = _qwen3_moe_config([], family) if family in QWEN_SIZES else _deepseek_config()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.eval()

@@ -9,6 +9,7 @@ its engine-core and worker processes).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -73,6 +74,7 @@ class VllmEngine:
         self.llm: Any = None
         self.model_info: ModelInfo | None = None
         self.tokenizer: Any = None
+        self._pending: dict[str, list[tuple[tuple[Any, ...], asyncio.Future[list[Any]]]]] = {}
 
     async def start(self) -> VllmEngine:
         """Start the engine (about 20 s on CPU) and initialise the worker extension."""
@@ -113,11 +115,40 @@ class VllmEngine:
         return self
 
     async def worker_call(self, method: str, *args: Any) -> list[Any]:
-        """Run the genartifact worker hook ``method`` on every worker via ``collective_rpc``.
+        """Run the genartifact worker hook ``method`` on every worker; one result per worker.
+
+        Calls made in the same event-loop turn for the same method are coalesced into one ``collective_rpc``
+        (each RPC pauses the engine loop between steps, and finishing requests come in waves).
         Raises ``RuntimeError`` if the engine is not running."""
         if self.llm is None:
             raise RuntimeError("engine is not running")
-        return await self.llm.collective_rpc("genartifact_call", args=(method, *args))
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        queue = self._pending.setdefault(method, [])
+        queue.append((args, fut))
+        if len(queue) == 1:
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush(method)))
+        return await fut
+
+    async def _flush(self, method: str) -> None:
+        batch = self._pending.pop(method, [])
+        if not batch:
+            return
+        try:
+            if len(batch) == 1:
+                per_worker = await self.llm.collective_rpc("genartifact_call", args=(method, *batch[0][0]))
+                results = [per_worker]
+            else:
+                per_worker = await self.llm.collective_rpc("genartifact_call",
+                                                           args=("batch", method, [list(a) for a, _ in batch]))
+                results = [[w[i] for w in per_worker] for i in range(len(batch))]
+        except BaseException as e:  # noqa: BLE001 - delivered to every waiter
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for (_, f), r in zip(batch, results, strict=True):
+            if not f.done():
+                f.set_result(r)
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -125,8 +156,10 @@ class VllmEngine:
             self.llm = None
 
     async def stream(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
-                     request_id: str | None = None) -> AsyncIterator[tuple[Delta, Any]]:
-        """Generate with ``RequestOutputKind.DELTA`` and yield ``(Delta, vllm CompletionOutput)``."""
+                     request_id: str | None = None, final_only: bool = False) -> AsyncIterator[tuple[Delta, Any]]:
+        """Generate and yield ``(Delta, vllm CompletionOutput)``: one per engine step with
+        ``RequestOutputKind.DELTA``, or a single delta holding everything with ``final_only=True``
+        (``FINAL_ONLY``: no per-token output processing, for callers that do not stream)."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -137,7 +170,8 @@ class VllmEngine:
             if eos is not None:
                 sampling["stop_token_ids"] = sorted({*sampling.get("stop_token_ids", []), int(eos)})
             sampling.setdefault("detokenize", False)
-        params = SamplingParams(**sampling, output_kind=RequestOutputKind.DELTA)
+        kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
+        params = SamplingParams(**sampling, output_kind=kind)
         rid = request_id or uuid.uuid4().hex
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, rid):
             c = out.outputs[0]
@@ -152,7 +186,7 @@ class VllmEngine:
 
     async def run(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
                   artifact: Mapping[str, Any] | None, target_settings: Mapping[str, Mapping[str, Any]],
-                  routes_start: Any = 0, journal: Any = None) -> RequestResult:
+                  routes_start: Any = 0, journal: Any = None, stream: bool = True) -> RequestResult:
         """Run one request; with ``artifact`` (a request spec dict) admit before inference, capture every
         delta, finalize and return the receipt. Admission errors propagate (before the engine does any
         work); artifact failures after admission give a failed receipt, never a failed generation."""
@@ -177,7 +211,7 @@ class VllmEngine:
         finish = None
         peak = budget = 0
         try:
-            async for delta, c in self.stream(prompt_token_ids, sampling):
+            async for delta, c in self.stream(prompt_token_ids, sampling, final_only=not stream):
                 completion.extend(delta.new_token_ids)
                 if user_logprobs is not None and delta.new_logprobs is not None:
                     logprobs.extend(delta.new_logprobs)

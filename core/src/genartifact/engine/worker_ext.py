@@ -33,6 +33,9 @@ class GenartifactWorkerExtension:
             self._genartifact_host = host
         if method == "init":
             return {"contents": [p.name for p in host.enabled["contents"]]}
+        if method == "batch":  # ("batch", inner_method, [args, ...]) -> [result, ...]: one RPC for many calls
+            inner, calls = args
+            return [self.genartifact_call(inner, *a) for a in calls]
         result = host.hooks.worker_call(worker=self, method=method, args=list(args))
         if result is None:
             raise ValueError(f"no enabled worker plugin handles method {method!r}")
