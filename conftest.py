@@ -24,10 +24,13 @@ def s3_server():
     os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_KEY)
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    import logging
+
     import boto3
     from botocore.config import Config
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's access log prints full (signed) URLs
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

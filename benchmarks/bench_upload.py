@@ -26,6 +26,9 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the S3 server's access log (it prints full URLs)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench-secret")
     import boto3
