@@ -256,6 +256,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return run_generate_cli(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from genartifact.engine.server import run_serve_cli
+
+    return run_serve_cli(args)
+
+
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from genartifact.engine.tiny_model import make_tiny_model
 
@@ -300,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p = add("serve", cmd_serve, "OpenAI-compatible + token-in/out HTTP server; requests may ask for artifacts")
+    p.add_argument("--model", required=True, help="local model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drain-s", type=float, default=30.0, help="graceful shutdown: wait this long for deliveries")
     p = add("reconcile", cmd_reconcile, "list uploads without a ready receipt (crash leftovers); --delete removes them")
     p.add_argument("--journal", help="journal path (default: [journal].path of the config)")
     p.add_argument("--delete", action="store_true", help="delete orphans from managed profiles (bytes must match)")

@@ -33,6 +33,12 @@ History remembers kings and queens, but also farmers, sailors, builders, teacher
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
+#: A minimal role-tagged chat template (Jinja, transformers' ``apply_chat_template`` format).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
 
 def make_tokenizer(out_dir: str, vocab_size: int = VOCAB):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -57,6 +63,7 @@ def make_tokenizer(out_dir: str, vocab_size: int = VOCAB):
         pad_token="<pad>",
     )
     fast.model_max_length = 2048
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 

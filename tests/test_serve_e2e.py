@@ -1,0 +1,223 @@
+"""`genartifact serve` on loopback with the real engine: the official openai client and httpx, receipts that
+verify and decode, admission errors before any engine work, streaming, load, metrics, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import psutil
+import pytest
+from genartifact import format as fmt
+
+pytestmark = [pytest.mark.engine]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(qwen_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    cfg = root / "genartifact.toml"
+    cfg.write_text(f"""
+[plugins]
+contents = ["moe_routes", "selected_logprobs"]
+targets = ["managed_fsspec"]
+[targets.managed_fsspec.profiles.local]
+url = "{root}/store"
+allowed_prefixes = ["runs/"]
+[targets.managed_fsspec.profiles.tiny]
+url = "{root}/tiny"
+allowed_prefixes = ["runs/"]
+max_bytes = 3000
+[journal]
+path = "{root}/journal.jsonl"
+""")
+    port = free_port()
+    env = {**os.environ, "GENARTIFACT_PIPELINE_CONCURRENCY": "2"}
+    proc = subprocess.Popen([sys.executable, "-m", "genartifact.cli", "serve", "--model", str(qwen_model), "--config",
+                             str(cfg), "--port", str(port), "--served-model-name", "tiny", "--drain-s", "10"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError(proc.stdout.read().decode()[-3000:])
+    yield {"base": base, "root": root, "proc": proc}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def artifact(profile="local", contents=("moe_routes", "selected_logprobs")):
+    return {"format": "generation_artifact_v1", "contents": list(contents),
+            "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": profile,
+                                                            "object_key": f"runs/{uuid.uuid4().hex}.gart"}}}
+
+
+def read(server, receipt, tokens=None) -> fmt.Artifact:
+    assert receipt["state"] == "ready", receipt
+    data = (server["root"] / "store" / receipt["object_id"].split(":", 1)[1]).read_bytes()
+    art = fmt.decode(data)
+    assert art.sha256 == receipt["sha256"] and art.byte_count == receipt["byte_count"]
+    if tokens is not None:
+        assert art.completion_token_ids.tolist() == tokens
+    if "moe_routes" in art.contents:
+        start = art.manifest["sections"]["moe_routes"]["token_start"]
+        assert art.routes().shape[0] == art.token_ids.size - 1 - start
+    return art
+
+
+def metrics(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{server['base']}/metrics").text.splitlines():
+        if line.startswith("genartifact_") and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def test_openai_completions_and_chat(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server['base']}/v1", api_key="none")
+    r = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8,
+                                  extra_body={"generation_artifact": artifact()})
+    receipt = r.model_extra["generation_artifact"]
+    art = read(server, receipt)
+    assert r.usage.completion_tokens == art.manifest["completion_token_count"] == 8
+    stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, stream=True,
+                                       extra_body={"generation_artifact": artifact()})
+    chunks = list(stream)
+    finals = [c.model_extra.get("generation_artifact") for c in chunks]
+    assert all(f is None for f in finals[:-1]) and finals[-1] is not None  # receipt on the final chunk only
+    read(server, finals[-1])
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+                                       extra_body={"generation_artifact": artifact()})
+    assert c.choices[0].message.role == "assistant"
+    read(server, c.model_extra["generation_artifact"])
+    s = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+                                       stream=True, extra_body={"generation_artifact": artifact(contents=["moe_routes"])})
+    chunks = list(s)
+    assert chunks[-1].model_extra["generation_artifact"]["state"] == "ready"
+    plain = client.completions.create(model="tiny", prompt="hello", max_tokens=3)
+    assert "generation_artifact" not in (plain.model_extra or {})
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_generate_token_ids_and_logprobs_align_with_artifact(server):
+    r = httpx.post(f"{server['base']}/generate", json={"token_ids": [5, 6, 7, 8, 9], "sampling_params": {
+        "max_tokens": 6, "temperature": 1.0, "routed_experts_prompt_start": 2}, "generation_artifact": artifact()},
+        timeout=60).json()
+    art = read(server, r["generation_artifact"], tokens=None)
+    assert art.token_ids.tolist() == [5, 6, 7, 8, 9] + r["token_ids"]
+    assert art.selected_logprobs().tolist() == pytest.approx(r["logprobs"], abs=0)
+    assert art.manifest["sections"]["moe_routes"]["token_start"] == 2 and art.routes().shape[0] == 5 + 6 - 1 - 2
+
+
+@pytest.mark.parametrize(
+    "body, status, match",
+    [
+        ({"prompt": "x", "generation_artifact": "nope"}, 400, "generation_artifact must be a JSON object"),
+        ({"prompt": "x", "generation_artifact": {**artifact(), "contents": ["moe_route"]}}, 400, "did you mean 'moe_routes'"),
+        ({"prompt": "x", "max_tokens": 1500, "generation_artifact": artifact(profile="tiny")}, 400, "max_bytes is 3000"),
+        ({"prompt": "x", "n": 2, "generation_artifact": artifact()}, 400, "n=1"),
+        ({"prompt": "x", "generation_artifact": {**artifact(), "delivery": {"mode": "object_store", "target": {
+            "kind": "managed_fsspec", "profile": "local", "object_key": "../escape"}}}}, 400, "normalized"),
+        ({"prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+        ({"prompt": "x", "seed": 3}, 400, "per-request seeds"),
+        ({"prompt": ""}, 400, "prompt"),
+    ],
+    ids=["malformed", "unknown-content", "over-budget", "n2", "bad-target", "max-tokens-type", "seed", "empty"],
+)
+def test_bad_requests_are_4xx_without_engine_work(server, body, status, match):
+    before = metrics(server)["genartifact_engine_requests_total"]
+    r = httpx.post(f"{server['base']}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status and match in r.json()["error"]["message"], r.text
+    assert metrics(server)["genartifact_engine_requests_total"] == before
+
+
+def test_delivery_failure_never_fails_the_completion(server):
+    a = artifact()
+    httpx.post(f"{server['base']}/v1/completions", json={"prompt": "x", "max_tokens": 2, "generation_artifact": a},
+               timeout=30).raise_for_status()
+    r = httpx.post(f"{server['base']}/v1/completions", json={"prompt": "x", "max_tokens": 2, "generation_artifact": a},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+    assert r.json()["generation_artifact"]["error_code"] == "object_exists"
+
+
+def test_client_disconnect_mid_stream_leaks_nothing(server):
+    async def go():
+        async with httpx.AsyncClient(base_url=server["base"], timeout=30) as c:
+            async with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 500, "stream": True,
+                                                                 "generation_artifact": artifact()}) as resp:
+                async for _ in resp.aiter_lines():
+                    break  # hang up after the first chunk
+    asyncio.run(go())
+    deadline = time.time() + 10
+    while time.time() < deadline and metrics(server)["genartifact_inflight_requests"] > 0:
+        time.sleep(0.2)
+    m = metrics(server)
+    assert m["genartifact_inflight_requests"] == 0 and m["genartifact_pipeline_slots_in_use"] == 0
+
+
+def test_32_concurrent_streaming_clients(server):
+    proc = psutil.Process(server["proc"].pid)
+    before = metrics(server)
+    rss0 = sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+
+    async def one(c, i):
+        receipt, n = None, 0
+        async with c.stream("POST", "/v1/completions", json={"prompt": f"prompt number {i}", "max_tokens": 24,
+                                                             "stream": True, "generation_artifact": artifact()}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+                    receipt = json.loads(line[6:]).get("generation_artifact") or receipt
+        return receipt
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server["base"], timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    receipts = asyncio.run(go())
+    rss1 = sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+    for r in receipts:
+        read(server, r)
+    m = metrics(server)
+    assert m["genartifact_pipeline_slots_in_use_peak"] <= 2
+    ready = 'genartifact_artifacts_total{error_code="",state="ready"}'
+    assert m[ready] - before[ready] == 32
+    assert m["genartifact_engine_requests_total"] - before["genartifact_engine_requests_total"] == 32
+    assert m['genartifact_requests_total{outcome="admitted",reason=""}'] - \
+        before['genartifact_requests_total{outcome="admitted",reason=""}'] == 32
+    print(f"server RSS (all processes) before {rss0 / 1e6:.0f} MB, after 32 streams {rss1 / 1e6:.0f} MB")
+    assert rss1 - rss0 < 300e6
+
+
+def test_sigterm_drains_and_exits(server):
+    proc = server["proc"]
+    proc.send_signal(signal.SIGTERM)
+    # uvicorn finishes its graceful shutdown, then re-raises the captured SIGTERM (exit status -15)
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    out = proc.stdout.read().decode()
+    assert "serve_shutdown" in out and "abandoned_deliveries=0" in out
