@@ -116,6 +116,10 @@ class Server:
             lp = _num(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
         if lp is not None and lp is not False:
             s["logprobs"] = _num({"logprobs": lp}, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+        if body.get("ignore_eos") is not None:  # vLLM's extension parameter of the same name
+            if not isinstance(body["ignore_eos"], bool):
+                raise RequestSpecError(f"ignore_eos={body['ignore_eos']!r} invalid; allowed: true or false")
+            s["ignore_eos"] = body["ignore_eos"]
         n = body.get("n", 1)
         if n is not None:
             s["n"] = n

@@ -1,0 +1,100 @@
+"""Serving throughput with artifacts requested ÷ the same load without (target >= 0.9).
+
+    .venv/bin/python benchmarks/bench_serve.py [--model .models/tiny-qwen3-moe] [--requests 64] [--concurrency 16]
+
+Starts `genartifact serve` on a free loopback port, then alternates rounds of the same load (non-streaming
+/v1/completions, --max-tokens each) with and without `generation_artifact` (both contents, file:// profile).
+Reports requests/s and tokens/s per side (best and median round) and their ratio, plus server RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+async def round_(base: str, n: int, conc: int, max_tokens: int, artifacts: bool) -> tuple[float, float]:
+    gate = asyncio.Semaphore(conc)
+
+    async def one(c: httpx.AsyncClient, i: int) -> int:
+        body = {"prompt": f"Request {i}: the quick brown fox jumps over the lazy dog.", "max_tokens": max_tokens,
+                "ignore_eos": True}
+        if artifacts:
+            body["generation_artifact"] = {
+                "format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs"],
+                "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "local",
+                                                                "object_key": f"runs/{uuid.uuid4().hex}.gart"}}}
+        async with gate:
+            r = await c.post("/v1/completions", json=body)
+        r.raise_for_status()
+        j = r.json()
+        assert not artifacts or j["generation_artifact"]["state"] == "ready", j
+        return j["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(base_url=base, timeout=300) as c:
+        t0 = time.perf_counter()
+        toks = sum(await asyncio.gather(*(one(c, i) for i in range(n))))
+        dt = time.perf_counter() - t0
+    return n / dt, toks / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=".models/tiny-qwen3-moe")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="ga-bench-serve-"))
+    cfg = root / "c.toml"
+    cfg.write_text(f'[plugins]\ncontents = ["moe_routes", "selected_logprobs"]\ntargets = ["managed_fsspec"]\n'
+                   f'[targets.managed_fsspec.profiles.local]\nurl = "{root}/store"\nallowed_prefixes = ["runs/"]\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "genartifact.cli", "serve", "--model", args.model, "--config",
+                             str(cfg), "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=os.environ.copy())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(360):
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        asyncio.run(round_(base, 16, args.concurrency, 8, True))
+        asyncio.run(round_(base, 16, args.concurrency, 8, False))
+        on, off = [], []
+        for _ in range(args.rounds):
+            on.append(asyncio.run(round_(base, args.requests, args.concurrency, args.max_tokens, True)))
+            off.append(asyncio.run(round_(base, args.requests, args.concurrency, args.max_tokens, False)))
+        p = psutil.Process(proc.pid)
+        rss = sum(x.memory_info().rss for x in [p, *p.children(recursive=True)])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    best_on, best_off = max(on, key=lambda x: x[1]), max(off, key=lambda x: x[1])
+    print(f"{args.requests} requests x {args.max_tokens} tokens, concurrency {args.concurrency}, {args.rounds} rounds")
+    print(f"  with artifacts   : {best_on[0]:6.1f} req/s  {best_on[1]:7.1f} tok/s  (median {statistics.median(x[1] for x in on):7.1f})")
+    print(f"  without artifacts: {best_off[0]:6.1f} req/s  {best_off[1]:7.1f} tok/s  (median {statistics.median(x[1] for x in off):7.1f})")
+    print(f"  ratio with/without (best): requests/s {best_on[0] / best_off[0]:.3f}, tokens/s {best_on[1] / best_off[1]:.3f}"
+          f"  (target >= 0.9)")
+    print(f"  server RSS (all processes) after the run: {rss / 1e6:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
