@@ -262,6 +262,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve_cli(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from genartifact_fpm_bench.cli import main as bench_main
+
+    return bench_main(args)
+
+
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from genartifact.engine.tiny_model import make_tiny_model
 
@@ -314,6 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-s", type=float, default=30.0, help="graceful shutdown: wait this long for deliveries")
+    try:  # the FPM self-benchmark ships as its own distribution
+        from genartifact_fpm_bench.cli import add_arguments as bench_arguments
+    except ImportError:
+        bench_arguments = None
+    if bench_arguments is not None:
+        p = add("bench", cmd_bench, "FPM self-benchmark: run a rank, merge ranks, render a report")
+        bench_arguments(p)
     p = add("reconcile", cmd_reconcile, "list uploads without a ready receipt (crash leftovers); --delete removes them")
     p.add_argument("--journal", help="journal path (default: [journal].path of the config)")
     p.add_argument("--delete", action="store_true", help="delete orphans from managed profiles (bytes must match)")

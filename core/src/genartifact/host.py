@@ -118,6 +118,12 @@ class Hooks:
     def collect_provenance(self, context: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         return [r for r in self._pm.hook.genartifact_collect_provenance(context=context) if r is not None]
 
+    def provenance_impls(self) -> list[tuple[str, Any]]:
+        """``(plugin name, hook function)`` per probe implementation, in registration (config) order, for
+        callers that must isolate failures per collector."""
+        impls = self._pm.hook.genartifact_collect_provenance.get_hookimpls()
+        return [(i.plugin_name, i.function) for i in reversed(impls)]
+
 
 class PluginHost:
     """Owns one pluggy ``PluginManager`` with the plugins enabled by config lists.

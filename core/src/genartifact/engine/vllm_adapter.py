@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from genartifact.engine.worker_ext import ENV_CONTENTS, QUALNAME
+from genartifact.engine.worker_ext import ENV_CONTENTS, ENV_PROBES, QUALNAME
 from genartifact.errors import RequestSpecError
 from genartifact.host import PluginHost
 from genartifact.session import ArtifactSession
@@ -81,6 +81,7 @@ class VllmEngine:
         for k, v in CPU_ENV.items():
             os.environ.setdefault(k, v)
         os.environ[ENV_CONTENTS] = json.dumps([p.name for p in self.host.enabled["contents"]])
+        os.environ[ENV_PROBES] = json.dumps([p.name for p in self.host.enabled["probes"]])
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

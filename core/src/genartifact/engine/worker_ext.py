@@ -16,6 +16,7 @@ from typing import Any
 
 QUALNAME = "genartifact.engine.worker_ext.GenartifactWorkerExtension"
 ENV_CONTENTS = "GENARTIFACT_WORKER_CONTENTS"
+ENV_PROBES = "GENARTIFACT_WORKER_PROBES"
 
 
 class GenartifactWorkerExtension:
@@ -27,8 +28,8 @@ class GenartifactWorkerExtension:
         if host is None:
             from genartifact.host import PluginHost
 
-            names = json.loads(os.environ.get(ENV_CONTENTS, "[]"))
-            host = PluginHost({"contents": names})
+            host = PluginHost({"contents": json.loads(os.environ.get(ENV_CONTENTS, "[]")),
+                               "probes": json.loads(os.environ.get(ENV_PROBES, "[]"))})
             host.hooks.worker_init(worker=self)
             self._genartifact_host = host
         if method == "init":

@@ -37,8 +37,12 @@ PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 def dp_rank_of(vllm_config: Any) -> int:
-    """The data-parallel rank: ``parallel_config.data_parallel_index`` when vLLM sets it (external DP zeroes
+    """The data-parallel rank: ``GENARTIFACT_FPM_DP_RANK`` when set (one single-rank engine per rank, as the
+    bench launcher does), else ``parallel_config.data_parallel_index`` when vLLM sets it (external DP zeroes
     ``data_parallel_rank`` in children), else ``data_parallel_rank``."""
+    override = os.environ.get("GENARTIFACT_FPM_DP_RANK")
+    if override:  # external DP launchers that start one single-rank engine per rank
+        return int(override)
     pc = vllm_config.parallel_config
     idx = getattr(pc, "data_parallel_index", None)
     return int(idx if isinstance(idx, int) else pc.data_parallel_rank)

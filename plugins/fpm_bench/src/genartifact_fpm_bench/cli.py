@@ -1,0 +1,53 @@
+"""``genartifact bench run|merge|report`` (dispatched from the core CLI when this plugin is installed)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench_cmd", required=True)
+    r = sub.add_parser("run", help="measure one DP rank over a grid and write its rank artifact")
+    r.add_argument("--model", required=True)
+    r.add_argument("--mode", choices=["prefill", "decode", "agg"], default="agg")
+    r.add_argument("--points", help="explicit points file (JSON)")
+    r.add_argument("--out", required=True, help="output directory")
+    r.add_argument("--dp-rank", type=int, default=0)
+    r.add_argument("--dp-size", type=int, default=1)
+    r.add_argument("--run-id", help="shared by all ranks of one run (default: random)")
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--port-base", type=int, default=20380)
+    r.add_argument("--max-points", type=int, default=24)
+    r.add_argument("--max-model-len", type=int, default=2048)
+    r.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    m = sub.add_parser("merge", help="merge rank artifacts (identity checks) into one merged artifact + sidecar")
+    m.add_argument("ranks", nargs="+", help="rank artifact files")
+    m.add_argument("--out", required=True, help="merged artifact path (must not exist)")
+    rp = sub.add_parser("report", help="PNG plots and a Markdown summary of a rank or merged artifact")
+    rp.add_argument("artifact")
+    rp.add_argument("--out", required=True)
+
+
+def main(args: Any) -> int:
+    if args.bench_cmd == "run":
+        from genartifact_fpm_bench.run import run_rank
+
+        path = asyncio.run(run_rank(model=args.model, mode=args.mode, out_dir=args.out, rank=args.dp_rank,
+                                    dp_size=args.dp_size, run_id=args.run_id, points_file=args.points,
+                                    repeats=args.repeats, port_base=args.port_base, max_points=args.max_points,
+                                    engine_kwargs={"max_model_len": args.max_model_len,
+                                                   "max_num_batched_tokens": args.max_num_batched_tokens}))
+        print(f"rank artifact: {path}")
+    elif args.bench_cmd == "merge":
+        from genartifact_fpm_bench.artifact import merge
+
+        merged = merge(args.ranks, args.out)
+        print(f"merged {len(args.ranks)} ranks, {len(merged['points'])} records -> {args.out} "
+              f"(+ {merged['worker_probe_path']})")
+    else:
+        from genartifact_fpm_bench.report import report
+
+        print(f"report: {report(args.artifact, args.out)}")
+    return 0

@@ -1,0 +1,149 @@
+"""Benchmark grid: prefill points (total new tokens × batch × KV-read tokens) and decode points (batch ×
+context), bounded by the engine's limits; or an explicit points file. The grid digest (SHA-256 of the canonical
+JSON of the ordered points) identifies a grid across ranks and runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PHASES = ("prefill", "decode")
+
+
+class GridError(ValueError):
+    """An explicit point is malformed or infeasible for the engine's limits (names the point and the limit)."""
+
+
+@dataclass(frozen=True, order=True)
+class Point:
+    """``prefill``: ``tokens`` = total new tokens in the pass, ``batch`` requests, ``kv`` = KV-read (cached prefix)
+    tokens per request. ``decode``: ``batch`` requests at ``context`` tokens each (KV before the step = context − 1)."""
+
+    phase: str
+    batch: int
+    tokens: int = 0
+    kv: int = 0
+    context: int = 0
+
+    def key(self) -> str:
+        """Stable point key, e.g. ``prefill:t256:b2:kv0`` or ``decode:b4:c128``."""
+        if self.phase == "prefill":
+            return f"prefill:t{self.tokens}:b{self.batch}:kv{self.kv}"
+        return f"decode:b{self.batch}:c{self.context}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Engine limits that bound the grid (tokens unless named otherwise)."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_capacity_tokens: int
+    block_size: int
+    prefix_caching: bool
+
+    def check(self, p: Point) -> None:
+        """Raise :class:`GridError` if ``p`` cannot be measured on this engine."""
+        if p.phase not in PHASES:
+            raise GridError(f"point {p.key()}: phase {p.phase!r}; allowed: {list(PHASES)}")
+        if p.batch < 1 or p.batch > self.max_num_seqs:
+            raise GridError(f"point {p.key()}: batch {p.batch} outside 1..max_num_seqs={self.max_num_seqs}")
+        if p.phase == "prefill":
+            per = p.tokens // p.batch
+            if p.tokens < p.batch or p.tokens % p.batch:
+                raise GridError(f"point {p.key()}: tokens {p.tokens} must be a positive multiple of batch {p.batch}")
+            if p.tokens > self.max_num_batched_tokens:
+                raise GridError(f"point {p.key()}: tokens {p.tokens} > max_num_batched_tokens={self.max_num_batched_tokens}")
+            if p.kv and (not self.prefix_caching or p.kv % self.block_size):
+                raise GridError(f"point {p.key()}: kv {p.kv} needs prefix caching and a multiple of block_size="
+                                f"{self.block_size}")
+            if per + p.kv + 1 > self.max_model_len:
+                raise GridError(f"point {p.key()}: {per + p.kv + 1} tokens per request > max_model_len={self.max_model_len}")
+            if p.batch * (per + p.kv + 1) > self.kv_capacity_tokens:
+                raise GridError(f"point {p.key()}: exceeds the KV cache ({self.kv_capacity_tokens} tokens)")
+        else:
+            if p.context < 2 or p.context + 2 > self.max_model_len:
+                raise GridError(f"point {p.key()}: context {p.context} outside 2..max_model_len-2={self.max_model_len - 2}")
+            if p.batch * (p.context + 2) > self.kv_capacity_tokens:
+                raise GridError(f"point {p.key()}: exceeds the KV cache ({self.kv_capacity_tokens} tokens)")
+
+
+def _pow2(lo: int, hi: int) -> list[int]:
+    out, v = [], lo
+    while v <= hi:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def build_grid(limits: Limits, mode: str, *, max_points: int = 64) -> list[Point]:
+    """Default grid for ``mode`` (``prefill``, ``decode`` or ``agg`` = both), largest shapes first within a
+    phase (the largest points warm the allocator), every point feasible for ``limits``."""
+    if mode not in ("prefill", "decode", "agg"):
+        raise GridError(f"mode {mode!r}; allowed: prefill, decode, agg")
+    points: list[Point] = []
+    if mode in ("prefill", "agg"):
+        kvs = [0] + ([limits.block_size] if limits.prefix_caching else [])
+        for b in (1, 2, 4):
+            for t in _pow2(16 * b, limits.max_num_batched_tokens):
+                for kv in kvs:
+                    p = Point("prefill", b, tokens=t, kv=kv)
+                    try:
+                        limits.check(p)
+                    except GridError:
+                        continue
+                    points.append(p)
+    if mode in ("decode", "agg"):
+        for b in _pow2(1, min(limits.max_num_seqs, 16)):
+            for c in _pow2(16, limits.max_model_len // 2):
+                p = Point("decode", b, context=c)
+                try:
+                    limits.check(p)
+                except GridError:
+                    continue
+                points.append(p)
+    points.sort(key=lambda p: (PHASES.index(p.phase), -p.batch * max(p.tokens, p.context), p.key()))
+    if len(points) > max_points:  # thin uniformly, keeping both ends
+        idx = sorted({round(i * (len(points) - 1) / (max_points - 1)) for i in range(max_points)})
+        points = [points[i] for i in idx]
+    return points
+
+
+def load_points(path: str | Path, limits: Limits) -> list[Point]:
+    """Explicit points file: JSON ``{"points": [{"phase", "batch", "tokens"?, "kv"?, "context"?}, ...]}``.
+    Every point must be feasible (raises :class:`GridError` naming the point and the limit)."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise GridError(f"points file {str(path)!r} cannot be read as JSON: {type(e).__name__}") from None
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("points"), list) or not raw["points"]:
+        raise GridError("points file must be an object with a non-empty 'points' list")
+    pts = []
+    for i, d in enumerate(raw["points"]):
+        if not isinstance(d, Mapping) or set(d) - {"phase", "batch", "tokens", "kv", "context"}:
+            raise GridError(f"points[{i}]: keys must be among phase, batch, tokens, kv, context")
+        if not all(isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool) for k in ("batch", "tokens", "kv", "context")):
+            raise GridError(f"points[{i}]: batch, tokens, kv, context must be integers")
+        p = Point(str(d.get("phase")), int(d.get("batch", 0)), int(d.get("tokens", 0)), int(d.get("kv", 0)),
+                  int(d.get("context", 0)))
+        limits.check(p)
+        pts.append(p)
+    return pts
+
+
+def grid_digest(points: Sequence[Point]) -> str:
+    """SHA-256 (hex) of the canonical JSON of the ordered points."""
+    body = json.dumps([p.as_dict() for p in points], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def points_from_dicts(ds: Iterable[Mapping[str, Any]]) -> list[Point]:
+    return [Point(**dict(d)) for d in ds]

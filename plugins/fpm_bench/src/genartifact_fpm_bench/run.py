@@ -1,0 +1,93 @@
+"""``genartifact bench run``: one data-parallel rank's self-benchmark, written as one rank artifact."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from genartifact_fpm_bench import SCHEDULER_QUALNAME, __version__
+from genartifact_fpm_bench.artifact import RANK_SCHEMA, SCHEMA_VERSION, rank_path, write_once
+from genartifact_fpm_bench.content import HASH_ENCODING, IDENTITY, content_seed
+from genartifact_fpm_bench.grid import Limits, build_grid, grid_digest, load_points
+from genartifact_fpm_bench.runner import NOISY_CV, UNOBSERVED, BenchRunner, FpmCollector
+
+log = structlog.get_logger("genartifact.fpm_bench")
+PROBES = ["engine_config", "runtime_versions", "kv_cache_spec", "worker_probe"]
+
+
+def limits_of(vcfg: Any) -> Limits:
+    sc, cc, mc = vcfg.scheduler_config, vcfg.cache_config, vcfg.model_config
+    blocks = getattr(cc, "num_gpu_blocks", None)
+    cap = int(blocks) * int(cc.block_size) if blocks else int(mc.max_model_len) * int(sc.max_num_seqs)
+    return Limits(max_num_batched_tokens=int(sc.max_num_batched_tokens), max_num_seqs=int(sc.max_num_seqs),
+                  max_model_len=int(mc.max_model_len), kv_capacity_tokens=cap, block_size=int(cc.block_size),
+                  prefix_caching=bool(cc.enable_prefix_caching))
+
+
+async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_size: int = 1, run_id: str | None = None,
+                   points_file: str | None = None, repeats: int = 3, port_base: int = 20380,
+                   engine_kwargs: dict[str, Any] | None = None, max_points: int = 64, progress: bool = True) -> Path:
+    """Start an engine with the instrumented scheduler, measure the grid, collect provenance, write
+    ``<out_dir>/fpm_rank<rank>.json`` (create-only). Returns its path."""
+    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.host import PluginHost
+    from tqdm import tqdm
+
+    from genartifact_fpm_bench import probes
+
+    out = rank_path(out_dir, rank)
+    if out.exists():
+        raise FileExistsError(f"rank artifact {out} exists; rank artifacts are written once")
+    os.environ.update(GENARTIFACT_FPM_STREAM="1", GENARTIFACT_FPM_PORT_BASE=str(port_base),
+                      GENARTIFACT_FPM_DP_RANK=str(rank))
+    host = PluginHost({"probes": PROBES})
+    kwargs = {"scheduler_cls": SCHEDULER_QUALNAME, "enable_prefix_caching": True, "seed": 0, **(engine_kwargs or {})}
+    started = time.time()
+    engine = await VllmEngine(host, model, **kwargs).start()
+    collector = FpmCollector(port_base + rank)
+    try:
+        await asyncio.sleep(0.3)  # ZMQ slow joiner: the subscription must reach the publisher
+        limits = limits_of(engine.llm.vllm_config)
+        points = load_points(points_file, limits) if points_file else build_grid(limits, mode, max_points=max_points)
+        vocab = int(engine.model_info.hf_config.get("vocab_size", 512))  # type: ignore[union-attr]
+        runner = BenchRunner(engine.llm, collector, rank, (4, vocab), repeats=repeats)
+        await runner.warmup()
+        records = []
+        for p in tqdm(points, desc=f"bench rank {rank}", unit="pt", disable=not progress):
+            records.append(await runner.run_point(p))
+        blocks, errors = await probes.collect(host, {"engine": engine})
+    finally:
+        collector.close()
+        engine.shutdown()
+    engine_block = blocks.get("engine_config")
+    if engine_block is not None:
+        engine_block = {**engine_block, "kv_cache": blocks.get("kv_cache_spec"),
+                        "versions": blocks.get("runtime_versions"), "worker_probe": blocks.get("worker_probe")}
+    done = sum(r["status"] == "completed" for r in records)
+    doc = {
+        "schema": RANK_SCHEMA, "schema_version": SCHEMA_VERSION, "artifact_type": "rank",
+        "run_id": run_id or uuid.uuid4().hex, "grid_digest": grid_digest(points), "mode": mode,
+        "dp": {"rank": rank, "size": dp_size},
+        "protocol": {"content_seed": content_seed(), "content_identity": IDENTITY, "prompt_hash_encoding": HASH_ENCODING,
+                     "timing_metric": "scheduler_wall_time", "timing_basis": "schedule_to_output",
+                     "estimate": "median of measured samples", "repeats": repeats, "noisy_cv": NOISY_CV,
+                     "prefill": "single_step", "decode": "steady_steps_after_admission", "unobserved": UNOBSERVED,
+                     "fpm_bench_version": __version__},
+        "limits": limits.__dict__,
+        "coverage": {"expected_points": len(points), "completed_points": done, "failed_points": len(points) - done},
+        "points": records,
+        "warmup_evidence": runner.warmup_evidence,
+        "stream": {"gaps": collector.gaps},
+        "engine": engine_block,
+        "capture_errors": errors,
+        "timing": {"started_at": started, "completed_at": time.time()},
+    }
+    write_once(out, doc)
+    log.info("bench_rank_written", path=str(out), points=len(points), completed=done)
+    return out

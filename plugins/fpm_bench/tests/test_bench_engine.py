@@ -1,0 +1,62 @@
+"""Two data-parallel ranks for real (two engine processes, ranks 0 and 1), merged and reported."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.engine
+
+
+def test_two_ranks_run_merge_report(tmp_path):
+    from genartifact.engine.tiny_model import make_tiny_model
+
+    model = ROOT / ".models" / "tiny-qwen3-moe"
+    if not (model / "model.safetensors").exists():
+        make_tiny_model(model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({"points": [{"phase": "prefill", "batch": 2, "tokens": 128},
+                                             {"phase": "prefill", "batch": 1, "tokens": 64, "kv": 128},
+                                             {"phase": "decode", "batch": 2, "context": 64}]}))
+    run_id = uuid.uuid4().hex
+    procs = [subprocess.Popen([sys.executable, "-m", "genartifact.cli", "bench", "run", "--model", str(model),
+                               "--points", str(points), "--out", str(tmp_path), "--dp-rank", str(r), "--dp-size", "2",
+                               "--run-id", run_id, "--port-base", str(base), "--repeats", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    for p in procs:
+        out = p.communicate(timeout=600)[0].decode()
+        assert p.returncode == 0, out[-3000:]
+    ranks = [json.loads((tmp_path / f"fpm_rank{r}.json").read_text()) for r in (0, 1)]
+    for r, d in enumerate(ranks):
+        assert d["dp"] == {"rank": r, "size": 2} and d["coverage"]["completed_points"] == 3, d["coverage"]
+        assert d["capture_errors"] == {} and d["stream"]["gaps"] == 0
+        assert all(x["dp_rank"] == r for x in d["points"])
+        assert d["engine"]["worker_probe"]["responses"][0]["attention_backends"]
+    # same coordinates, different ranks -> different prompt content
+    assert ranks[0]["points"][0]["prompts"]["sha256"] != ranks[1]["points"][0]["prompts"]["sha256"]
+    kvpt = next(x for x in ranks[0]["points"] if x["point"]["kv"])
+    measured = [kvpt["raw_samples"][i] for i in kvpt["estimate"]["raw_sample_indices"]]
+    assert all(s["scheduled"]["sum_prefill_kv_tokens"] == 128 for s in measured)  # the prefix cache was hit
+    merged = tmp_path / "merged.json"
+    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "merge", str(tmp_path / "fpm_rank0.json"),
+                           str(tmp_path / "fpm_rank1.json"), "--out", str(merged)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(merged.read_text())
+    assert m["dp"]["source_ranks"] == [0, 1] and len(m["points"]) == 6
+    assert (tmp_path / m["worker_probe_path"]).exists()
+    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "report", str(merged), "--out",
+                           str(tmp_path / "report")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "report" / "prefill.png").stat().st_size > 1000
+    assert (tmp_path / "report" / "decode.png").stat().st_size > 1000
+    assert "decode:b2:c64" in (tmp_path / "report" / "report.md").read_text()

@@ -1,0 +1,185 @@
+"""Reproducible inputs, grid, rank artifacts and merge rules (no engine)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from genartifact_fpm_bench import content
+from genartifact_fpm_bench.artifact import MergeError, engine_diff, merge, write_once
+from genartifact_fpm_bench.grid import GridError, Limits, Point, build_grid, grid_digest, load_points
+
+LIMITS = Limits(max_num_batched_tokens=1024, max_num_seqs=16, max_model_len=2048, kv_capacity_tokens=262144,
+                block_size=128, prefix_caching=True)
+P = Point("prefill", 2, tokens=128)
+
+
+def test_content_depends_only_on_seed_point_rank_slot():
+    a = content.make_batch(P, 0, [64, 64], (4, 512), seed="0")
+    b = content.make_batch(P, 0, [64, 64], (4, 512), seed="0")
+    assert a.hashes == b.hashes and a.aggregate == b.aggregate
+    assert a.hashes[0] != a.hashes[1]  # slots differ
+    assert content.make_batch(P, 1, [64, 64], (4, 512), seed="0").hashes != a.hashes  # ranks differ
+    assert content.make_batch(P, 0, [64, 64], (4, 512), seed="1").hashes != a.hashes  # seeds differ
+    assert content.make_batch(Point("prefill", 2, tokens=256), 0, [64, 64], (4, 512), seed="0").hashes != a.hashes
+    toks = a.prompts[0]
+    assert toks.dtype == np.uint32 and toks.min() >= 4 and toks.max() < 512
+    assert a.hashes[0] == hashlib.sha256(toks.astype("<u4").tobytes()).hexdigest()
+
+
+def test_content_identical_across_processes_and_grid_subsets():
+    code = ("import sys; from genartifact_fpm_bench import content; from genartifact_fpm_bench.grid import Point;"
+            "pts=[Point('decode',4,context=c) for c in (64,128,256)];"
+            "order=list(reversed(pts)) if sys.argv[1]=='rev' else pts[1:];"
+            "print({p.key(): content.make_batch(p,0,[p.context-1]*p.batch,(4,512),seed='7').aggregate for p in order})")
+    outs = [eval(subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, check=True).stdout)
+            for arg in ("rev", "subset")]
+    for k in outs[1]:
+        assert outs[0][k] == outs[1][k]
+
+
+def test_seeding_work_is_linear_in_batch_size(monkeypatch):
+    calls = []
+    real = hashlib.sha256
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(content.hashlib, "sha256", counting)
+    for b in (1, 8, 64):
+        calls.clear()
+        content.make_batch(Point("decode", b, context=16), 0, [15] * b, (4, 512))
+        # 1 batch digest + per slot (seed digest + prompt hash) + 1 aggregate
+        assert len(calls) == 1 + 2 * b + 1
+
+
+def test_grid_is_bounded_and_digest_stable():
+    g = build_grid(LIMITS, "agg")
+    assert g and all(LIMITS.check(p) is None for p in g)
+    assert {p.phase for p in g} == {"prefill", "decode"}
+    assert grid_digest(g) == grid_digest(list(g)) != grid_digest(g[1:])
+    assert len(build_grid(LIMITS, "agg", max_points=10)) <= 10
+
+
+@pytest.mark.parametrize("pt, match", [
+    ({"phase": "prefill", "batch": 2, "tokens": 4096}, "max_num_batched_tokens"),
+    ({"phase": "prefill", "batch": 3, "tokens": 128}, "multiple of batch"),
+    ({"phase": "prefill", "batch": 1, "tokens": 64, "kv": 100}, "block_size"),
+    ({"phase": "decode", "batch": 64, "context": 64}, "max_num_seqs"),
+    ({"phase": "decode", "batch": 1, "context": 4000}, "max_model_len"),
+    ({"phase": "train", "batch": 1}, "phase"),
+    ({"phase": "decode", "batch": 1, "context": 64, "colour": 1}, "keys"),
+])
+def test_points_file_rejects_infeasible(tmp_path, pt, match):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"points": [pt]}))
+    with pytest.raises(GridError, match=match):
+        load_points(f, LIMITS)
+
+
+def rank_doc(rank, size=2, run_id="r1", engine=None, errors=None, points=("a", "b")):
+    return {"schema": "genartifact.fpm_bench.rank", "schema_version": 1, "artifact_type": "rank", "run_id": run_id,
+            "grid_digest": "g" * 64, "mode": "agg", "dp": {"rank": rank, "size": size},
+            "protocol": {"content_seed": "0"}, "limits": {"max_num_seqs": 16},
+            "coverage": {"expected_points": len(points), "completed_points": len(points), "failed_points": 0},
+            "points": [{"key": k, "dp_rank": rank, "status": "completed"} for k in points],
+            "warmup_evidence": [], "engine": engine if engine is not None else
+            {"model": {"model": "m"}, "parallel": {"data_parallel_rank": rank}, "worker_probe": {"rank": rank}},
+            "capture_errors": errors or {}}
+
+
+def write_ranks(tmp_path, docs):
+    paths = []
+    for i, d in enumerate(docs):
+        p = tmp_path / f"r{i}.json"
+        p.write_text(json.dumps(d))
+        paths.append(p)
+    return paths
+
+
+def test_merge_happy_path_and_sidecar(tmp_path):
+    paths = write_ranks(tmp_path, [rank_doc(0), rank_doc(1)])
+    m = merge(paths, tmp_path / "merged.json")
+    assert m["dp"]["source_ranks"] == [0, 1] and len(m["points"]) == 4
+    side = json.loads((tmp_path / "merged_worker_probe.json").read_text())
+    assert m["worker_probe_path"] == "merged_worker_probe.json" and side["schema"] == "genartifact.fpm_bench.worker_probe"
+    assert side["ranks"] == {"0": {"rank": 0}, "1": {"rank": 1}}
+    assert m["engine"]["parallel"]["data_parallel_rank"] is None and "worker_probe" not in m["engine"]
+    with pytest.raises(MergeError, match="written once"):
+        merge(paths, tmp_path / "merged.json")
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d[1].update(run_id="other"), "differ in run_id"),
+    (lambda d: d[1].update(grid_digest="h" * 64), "differ in grid_digest"),
+    (lambda d: d[1].update(protocol={"content_seed": "9"}), "differ in protocol"),
+    (lambda d: d[1]["coverage"].update(completed_points=1), "differ in coverage"),
+    (lambda d: d[1]["dp"].update(rank=0), "duplicate DP ranks"),
+    (lambda d: d[1]["points"].append({"key": "a", "dp_rank": 1}), "differ in coverage|more than one record"),
+    (lambda d: d[1]["engine"]["model"].update(model="other"), "engine provenance differs.*model.model"),
+    (lambda d: d[1].update(schema_version=0), "legacy or foreign"),
+    (lambda d: d[1]["points"][0].update(dp_rank=0), "dp_rank differs"),
+])
+def test_merge_rejections(tmp_path, mutate, match):
+    docs = [rank_doc(0), rank_doc(1)]
+    mutate(docs)
+    with pytest.raises(MergeError, match=match):
+        merge(write_ranks(tmp_path, docs), tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_merge_missing_rank(tmp_path):
+    with pytest.raises(MergeError, match="do not cover"):
+        merge(write_ranks(tmp_path, [rank_doc(0, size=3), rank_doc(2, size=3)]), tmp_path / "m.json")
+
+
+def test_failed_capture_rank_is_excluded_from_comparison(tmp_path):
+    bad = rank_doc(1, engine={"model": {"model": "different"}}, errors={"engine_config": "RuntimeError: x"})
+    m = merge(write_ranks(tmp_path, [rank_doc(0), bad]), tmp_path / "m.json")
+    assert m["capture_errors"] == {"1": {"engine_config": "RuntimeError: x"}}
+
+
+def test_merge_property_random_rank_sets(tmp_path):
+    rng = random.Random(0)
+    for trial in range(40):
+        size = rng.randint(1, 6)
+        docs = [rank_doc(r, size=size, points=("p1", "p2", "p3")) for r in range(size)]
+        drop = rng.random() < 0.3 and size > 1
+        dup = rng.random() < 0.2
+        if drop:
+            docs.pop(rng.randrange(size))
+        if dup:
+            docs.append(copy.deepcopy(docs[0]))
+        rng.shuffle(docs)
+        out = tmp_path / f"m{trial}.json"
+        d = tmp_path / f"t{trial}"
+        d.mkdir()
+        if drop or dup:
+            with pytest.raises(MergeError):
+                merge(write_ranks(d, docs), out)
+            assert not out.exists()
+        else:
+            m = merge(write_ranks(d, docs), out)
+            assert m["dp"]["source_ranks"] == list(range(size)) and len(m["points"]) == 3 * size
+            assert [p["dp_rank"] for p in m["points"]] == sorted(p["dp_rank"] for p in m["points"])
+
+
+def test_engine_diff_ignores_rank_and_probe_fields():
+    a = {"parallel": {"data_parallel_rank": 0, "tp": 1}, "worker_probe": {"x": 1}, "model": {"dtype": "f32"}}
+    b = {"parallel": {"data_parallel_rank": 1, "tp": 1}, "worker_probe": {"x": 2}, "model": {"dtype": "bf16"}}
+    assert engine_diff(a, b) == ["model.dtype"]
+
+
+def test_write_once(tmp_path):
+    write_once(tmp_path / "a.json", {"x": 1})
+    with pytest.raises(FileExistsError):
+        write_once(tmp_path / "a.json", {"x": 2})
+    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
