@@ -146,11 +146,13 @@ class BenchRunner:
                         measured += idx
             else:
                 content = make_batch(p, self.rank, [p.context - 1] * p.batch, self.vocab)
+
+                def full_decode(f: FPM) -> bool:
+                    return f.scheduled.num_decode_requests == p.batch and f.scheduled.num_prefill_requests == 0
+
                 for rep in range(2):  # 0: discarded replica, 1: measured
                     await self._batch([x.tolist() for x in content.prompts], 1 + self.repeats, uuid.uuid4().hex)
-                    want = (lambda f: f.scheduled.num_decode_requests == p.batch
-                            and f.scheduled.num_prefill_requests == 0)
-                    idx = self._take(samples, "discarded_replica" if rep == 0 else "measure", want=want,
+                    idx = self._take(samples, "discarded_replica" if rep == 0 else "measure", want=full_decode,
                                      other_role="admission")
                     if rep == 1:
                         measured += idx
