@@ -40,7 +40,9 @@ class FPM(msgspec.Struct, frozen=True):
     any the publisher later dropped). ``wall_time``: seconds from ``schedule()`` returning the batch to
     ``update_from_output()`` receiving its result (``timing_basis = "schedule_to_output"``; host wall clock,
     no device synchronization). ``inter_output``: seconds since the previous ``update_from_output`` (None for the
-    first pass after start). ``t_schedule``/``t_output``: ``time.monotonic()`` endpoints (process-local)."""
+    first pass after start). ``t_schedule``/``t_output``: ``time.monotonic()`` endpoints (process-local).
+    ``recorder_s``: seconds the instrumentation itself spent on this pass (shape reading, record building,
+    hand-off to the publisher), so its overhead is measured in the same run it affects."""
 
     version: int
     dp_rank: int
@@ -52,6 +54,7 @@ class FPM(msgspec.Struct, frozen=True):
     scheduled: ScheduledStats
     queued: ScheduledStats
     timing_basis: str = "schedule_to_output"
+    recorder_s: float = 0.0
 
 
 def pvariance(xs: list[int]) -> float:

@@ -75,6 +75,7 @@ def _sample(i: int, fpm: FPM, role: str) -> dict[str, Any]:
     return {"sample_index": i, "forward_index": fpm.counter_id, "role": role,
             "timing": {"basis": fpm.timing_basis, "start_monotonic": fpm.t_schedule, "end_monotonic": fpm.t_output,
                        "wall_time": fpm.wall_time, "inter_output": fpm.inter_output},
+            "recorder_s": fpm.recorder_s,
             "scheduled": {f: getattr(fpm.scheduled, f) for f in fpm.scheduled.__struct_fields__},
             "queued": {f: getattr(fpm.queued, f) for f in fpm.queued.__struct_fields__}}
 

@@ -112,6 +112,7 @@ class InstrumentedScheduler(Scheduler):
         self.fpms: collections.deque[FPM] = collections.deque(maxlen=4096)
         self._sched_times: collections.deque[tuple[int, float]] = collections.deque()
         self._last_output: float | None = None
+        self._recorder_s = 0.0
         self.fpm_publisher: FpmPublisher | None = None
         if os.environ.get("GENARTIFACT_FPM_STREAM", "0") == "1":
             base = int(os.environ.get("GENARTIFACT_FPM_PORT_BASE", DEFAULT_PORT_BASE))
@@ -128,23 +129,30 @@ class InstrumentedScheduler(Scheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)
+        t0 = time.perf_counter()
         if out.total_num_scheduled_tokens > 0:
             self._sched_times.append((id(out), time.monotonic()))
+        self._recorder_s += time.perf_counter() - t0
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t_out = time.monotonic()
+        t0 = time.perf_counter()
         shape = None
         if scheduler_output.total_num_scheduled_tokens > 0:
             # read the shape before the base class retires finished requests
             shape = (self._scheduled_stats(scheduler_output), self._queued_stats())
+        spent = time.perf_counter() - t0
         result = super().update_from_output(scheduler_output, model_runner_output)
+        t1 = time.perf_counter()
         if shape is not None:
             t_sched = self._pop_schedule_time(id(scheduler_output), t_out)
             fpm = FPM(version=VERSION, dp_rank=self.fpm_dp_rank, counter_id=self.fpm_counter,
                       wall_time=t_out - t_sched,
                       inter_output=None if self._last_output is None else t_out - self._last_output,
-                      t_schedule=t_sched, t_output=t_out, scheduled=shape[0], queued=shape[1])
+                      t_schedule=t_sched, t_output=t_out, scheduled=shape[0], queued=shape[1],
+                      recorder_s=self._recorder_s + spent + (time.perf_counter() - t1))
+            self._recorder_s = 0.0
             self.fpm_counter += 1
             self.fpms.append(fpm)
             if self.fpm_publisher is not None:
