@@ -139,20 +139,58 @@ def test_generate_token_ids_and_logprobs_align_with_artifact(server):
         ({"prompt": "x", "generation_artifact": "nope"}, 400, "generation_artifact must be a JSON object"),
         ({"prompt": "x", "generation_artifact": {**artifact(), "contents": ["moe_route"]}}, 400, "did you mean 'moe_routes'"),
         ({"prompt": "x", "max_tokens": 1500, "generation_artifact": artifact(profile="tiny")}, 400, "max_bytes is 3000"),
-        ({"prompt": "x", "n": 2, "generation_artifact": artifact()}, 400, "n=1"),
+        ({"prompt": "x", "n": 2, "generation_artifact": artifact()}, 400, "n=2 unsupported"),
         ({"prompt": "x", "generation_artifact": {**artifact(), "delivery": {"mode": "object_store", "target": {
             "kind": "managed_fsspec", "profile": "local", "object_key": "../escape"}}}}, 400, "normalized"),
         ({"prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
         ({"prompt": "x", "seed": 3}, 400, "per-request seeds"),
         ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": [5, 512]}, 400, "token id out of range"),
+        ({"prompt": [5, 2**64]}, 400, "token id out of range"),
+        ({"prompt": "x", "stop": ["\n"]}, 400, "unsupported parameter(s) ['stop']"),
+        ({"prompt": "x", "logprobs": 1}, 400, "logprobs on /v1/completions is not supported"),
+        ({"prompt": "x", "n": True}, 400, "n=True unsupported"),
+        ({"prompt": "x" * 70_000}, 400, "cannot fit max_model_len"),
     ],
-    ids=["malformed", "unknown-content", "over-budget", "n2", "bad-target", "max-tokens-type", "seed", "empty"],
+    ids=["malformed", "unknown-content", "over-budget", "n2", "bad-target", "max-tokens-type", "seed", "empty",
+         "oov", "oov-huge", "stop", "logprobs", "n-bool", "long-text"],
 )
 def test_bad_requests_are_4xx_without_engine_work(server, body, status, match):
     before = metrics(server)["genartifact_engine_requests_total"]
     r = httpx.post(f"{server['base']}/v1/completions", json=body, timeout=30)
     assert r.status_code == status and match in r.json()["error"]["message"], r.text
     assert metrics(server)["genartifact_engine_requests_total"] == before
+
+
+def test_hostile_bodies_are_4xx_and_the_engine_survives(server):
+    base = server["base"]
+    before = metrics(server)["genartifact_engine_requests_total"]
+    r = httpx.post(f"{base}/generate", json={"token_ids": [5, 512], "sampling_params": {"max_tokens": 2}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" or "token id" in r.text
+    big = b'{"prompt": "' + b"a" * (9 << 20) + b'"}'
+    r = httpx.post(f"{base}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+    r = httpx.post(f"{base}/v1/completions", content=b"[" * 100_000 + b"]" * 100_000, timeout=30)
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "\\ud800abc"}', timeout=30)
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+    assert metrics(server)["genartifact_engine_requests_total"] == before
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    ok = httpx.post(f"{base}/v1/completions", json={"prompt": "still alive", "max_tokens": 2, "stream": None,
+                                                    "generation_artifact": {**artifact(), "delivery": {
+                                                        "mode": "object_store", "target": {
+                                                            "kind": "managed-fsspec", "profile": "local",
+                                                            "object_key": f"runs/{uuid.uuid4().hex}"}}}}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["generation_artifact"]["state"] == "ready"
+
+
+def test_error_param_names_the_field(server):
+    cases = [({"prompt": "x", "max_tokens": "8"}, "max_tokens"), ({"prompt": "x", "temperature": -1}, "temperature"),
+             ({"prompt": "x", "stream": 3}, "stream"), ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+             ({"prompt": "x", "generation_artifact": {**artifact(), "contents": ["nope"]}}, "generation_artifact")]
+    for body, param in cases:
+        r = httpx.post(f"{server['base']}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.json())
 
 
 def test_delivery_failure_never_fails_the_completion(server):

@@ -101,17 +101,16 @@ class ArtifactSession:
         :raises UnknownPluginError: a content name or target kind has no enabled plugin (fail fast).
         """
         names = [host.require("contents", c, "generation_artifact.contents").name for c in request.contents]
-        host.require("targets", request.target_kind, "generation_artifact.delivery.target.kind")
+        kind = host.require("targets", request.target_kind, "generation_artifact.delivery.target.kind").name
         producers = []
         for c in names:
             p = host.hooks.content_producer(name=c, model=model)
             if p is None:
                 raise AdmissionError(f"content '{c}': its plugin returned no producer for model {model.name!r}")
             producers.append(p)
-        target = host.hooks.storage_target(kind=request.target_kind,
-                                           settings=target_settings.get(request.target_kind, {}))
+        target = host.hooks.storage_target(kind=kind, settings=target_settings.get(kind, {}))
         if target is None:
-            raise AdmissionError(f"target kind '{request.target_kind}': its plugin returned no target")
+            raise AdmissionError(f"target kind '{kind}': its plugin returned no target")
         return cls(host, request, model, target, producers, journal)
 
     # ------------------------------------------------------------------ admission

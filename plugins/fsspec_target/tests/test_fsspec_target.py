@@ -37,6 +37,8 @@ def test_relative_url_resolves_against_base_dir(tmp_path):
         ({"p": {"url": "memory://x", "allowed_prefixes": []}}, "non-empty list"),
         ({"p": {"url": "memory://x", "allowed_prefixes": ["../up"]}}, "normalized"),
         ({"p": {"url": "memory://x", "allowed_prefixes": [""], "max_bytes": 0}}, "max_bytes"),
+        ({"p": {"url": "http://127.0.0.1:1/root", "allowed_prefixes": [""]}}, "protocol 'http' unsupported"),
+        ({"p": {"url": "simplecache::memory://x", "allowed_prefixes": [""]}}, "unsupported"),
         ({"p": {"url": "memory://x", "allowed_prefixes": [""], "password": "hunter2"}}, r"unknown key\(s\) \['password'\]"),
     ],
 )

@@ -35,7 +35,8 @@ resolver.calls = []
 
 def settings(fault=None, **kw):
     base = {"allowed_hosts": ["bucket.example.com", "internal.example.com", "meta.example.com", "v6local.example.com",
-                              "10.0.0.1", "169.254.169.254", "[::1]", "[::ffff:127.0.0.1]", "s3.example.com:8443"],
+                              "10.0.0.1", "169.254.169.254", "[::1]", "[::ffff:127.0.0.1]", "s3.example.com:8443",
+                              "[fec0::1]", "[2002:7f00:1::1]", "[2002:a9fe:a9fe::1]"],
             "insecure_http_hosts": [fault.authority] if fault else [], "max_attempts": 3, "backoff_base_s": 0.01,
             "read_timeout_s": 1.0, "total_timeout_s": 5.0}
     base.update(kw)
@@ -83,7 +84,12 @@ URL_CASES = [
     ("https://bucket.example.com/" + "a" * 9000, "longer than"),
     ("https://bucket.example.com/k%zz?" + SECRET, "percent escape"),
     ("https://bucket.example.com/a b", "printable ASCII"),
-    ("https://bucket.example.com:99999/k", "invalid port"),
+    ("https://bucket.example.com:99999/k", "bad host or port"),
+    ("https://[example.com]/k", "bad host or port"),
+    ("https://example.com]/k", "bad host or port|allowed_hosts"),
+    ("https://[fec0::1]/k", "non-global"),
+    ("https://[2002:7f00:1::1]/k", "non-global|embedding"),
+    ("https://[2002:a9fe:a9fe::1]/k", "non-global|embedding"),
     ("https:///k", "no host"),
 ]
 
@@ -117,6 +123,7 @@ HEADER_CASES = [
     ({"if-none-match": "*", "If-None-Match": "*"}, "given twice"),
     ({"if-none-match": "*", "x-amz-meta-a": 5}, "must be a string"),
     ({"if-none-match": "*", "x-amz-meta-a": "é"}, "non-ASCII"),
+    ({"if-none-match": "*", "x-amz-meta-a": " padded"}, "leading or trailing whitespace"),
     (["if-none-match", "*"], "must be an object"),
 ]
 
@@ -138,8 +145,10 @@ def test_headers_rejected(fault_server, headers, match):
         (lambda now: iso(now + timedelta(hours=2)), "max_ttl_s=3600"),
         (lambda now: "tomorrow", "RFC 3339"),
         (lambda now: 1767225600, "RFC 3339"),
+        (lambda now: "9999-12-31T23:59:59-23:59", "out of range|max_ttl"),
+        (lambda now: "0001-01-01T00:00:00+14:00", "out of range|in the past"),
     ],
-    ids=["past", "naive", "too-far", "text", "number"],
+    ids=["past", "naive", "too-far", "text", "number", "overflow-high", "overflow-low"],
 )
 def test_expiry_rejected(fault_server, expires, match):
     t = PresignedHttpPutTarget(settings(fault_server))
@@ -304,3 +313,12 @@ def test_secrets_never_logged(fault_server):
             put(t, grant(url=fault_server.url(f"/always503/k?{SECRET}")))
     text = repr(logs) + str(e.value) + repr(e.value.__cause__) + repr(e.value.__context__)
     assert logs and "TOPSECRETSIG" not in text and HDR_SECRET not in text and "/s503/k" not in text
+
+
+def test_httpx_request_log_stays_quiet(fault_server, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    t = PresignedHttpPutTarget(settings(fault_server))
+    put(t, grant(url=fault_server.url(f"/ok/quiet?{SECRET}")))
+    assert "TOPSECRETSIG" not in caplog.text

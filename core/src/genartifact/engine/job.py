@@ -162,7 +162,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config
     for i, row in enumerate(prompts):
         try:
             specs[i] = preflight_row(host, targets, row, contents, target, run_id, i)
-        except GenartifactError as e:
+        except (GenartifactError, ValueError, TypeError, OverflowError) as e:
             receipts[i] = {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(e)}
     if specs:
         from genartifact.engine.vllm_adapter import VllmEngine

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -37,6 +38,21 @@ from genartifact.limits import pipeline_concurrency
 log = structlog.get_logger("genartifact.serve")
 EXT = "generation_artifact"
 MAX_LOGPROBS = 20
+MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt a max_model_len engine accepts
+CHARS_PER_TOKEN_CAP = 32  # a prompt string longer than max_model_len x this cannot fit: refuse before tokenizing
+COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream", "ignore_eos",
+               EXT, "routed_experts_prompt_start", "user", "stream_options"}
+ENDPOINT_KEYS = {"completions": COMMON_KEYS | {"prompt", "logprobs"},
+                 "chat": COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+                 "generate": {"token_ids", "sampling_params", EXT, "routed_experts_prompt_start"}}
+SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "logprobs",
+                 "routed_experts_prompt_start"}
+PARAMS = sorted({*COMMON_KEYS, "prompt", "messages", "token_ids", "sampling_params", "top_logprobs",
+                 "max_completion_tokens"} - {"n"}, key=len, reverse=True)
+
+
+class BodyTooLarge(GenartifactError):
+    """The request body exceeds :data:`MAX_BODY_BYTES` (HTTP 413)."""
 
 
 class Metrics:
@@ -64,11 +80,15 @@ def _error(status: int, message: str, param: str | None = None, code: str = "inv
 
 
 def _field(msg: str) -> str | None:
-    for name in ("max_tokens", "routed_experts_prompt_start", "seed", "logprobs", "temperature", "top_p", "top_k",
-                 "n", "prompt", "messages", "token_ids"):
-        if msg.startswith(name) or f" {name}" in msg[:60]:
+    """The request parameter an error message is about (for the OpenAI error's ``param``)."""
+    if re.match(r"n=", msg):
+        return "n"
+    for name in PARAMS:
+        if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", msg):
             return name
-    return EXT if "generation_artifact" in msg or "content" in msg or "target" in msg else None
+    if re.search(r"generation artifacts|object_key|profile|target|content|max_bytes|decoded artifact", msg):
+        return EXT
+    return None
 
 
 def _num(body: Mapping[str, Any], key: str, default: Any, lo: float, hi: float, integer: bool = False) -> Any:
@@ -80,8 +100,15 @@ def _num(body: Mapping[str, Any], key: str, default: Any, lo: float, hi: float, 
         ok = ok and isinstance(v, int)
     if not ok:
         kind = "an integer" if integer else "a number"
-        raise RequestSpecError(f"{key}={v!r} invalid; allowed: {kind} in {lo:g}..{hi:g}")
+        fmt = (lambda x: str(int(x))) if integer else (lambda x: f"{x}")
+        raise RequestSpecError(f"{key}={v!r} invalid; allowed: {kind} in {fmt(lo)}..{fmt(hi)}")
     return v
+
+
+def _check_keys(body: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    extra = sorted(set(body) - allowed)
+    if extra:
+        raise RequestSpecError(f"unsupported parameter(s) {extra} in {where}; supported: {sorted(allowed)}")
 
 
 class Server:
@@ -100,7 +127,8 @@ class Server:
         self.chat_template = getattr(tok, "chat_template", None) or CHAT_TEMPLATE
 
     # ---------------------------------------------------------------- request parsing
-    def sampling(self, body: Mapping[str, Any], logprobs_default: int | None = None) -> dict[str, Any]:
+    def sampling(self, body: Mapping[str, Any], logprobs_default: int | None = None,
+                 chat: bool = False) -> dict[str, Any]:
         max_len = int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
         s: dict[str, Any] = {
             "max_tokens": _num(body, "max_tokens", 16, 1, max_len, integer=True),
@@ -112,8 +140,12 @@ class Server:
         if body.get("seed") is not None:
             s["seed"] = _num(body, "seed", 0, 0, 2**63 - 1, integer=True)
         lp = body.get("logprobs", logprobs_default)
-        if lp is True:  # chat API: logprobs is a bool, top_logprobs the count
-            lp = _num(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+        if chat and lp not in (None, False):
+            raise RequestSpecError("logprobs on /v1/chat/completions is not supported yet; use /generate for "
+                                   "per-token logprobs (or selected_logprobs artifacts)")
+        if not chat and logprobs_default is None and lp is not None:
+            raise RequestSpecError("logprobs on /v1/completions is not supported yet; use /generate for per-token "
+                                   "logprobs (or selected_logprobs artifacts)")
         if lp is not None and lp is not False:
             s["logprobs"] = _num({"logprobs": lp}, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
         if body.get("ignore_eos") is not None:  # vLLM's extension parameter of the same name
@@ -121,9 +153,18 @@ class Server:
                 raise RequestSpecError(f"ignore_eos={body['ignore_eos']!r} invalid; allowed: true or false")
             s["ignore_eos"] = body["ignore_eos"]
         n = body.get("n", 1)
-        if n is not None:
-            s["n"] = n
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
+            raise RequestSpecError(f"n={n!r} unsupported; allowed: 1 (one choice per request)")
         return s
+
+    def tokenize_check(self, text: str, what: str) -> None:
+        max_len = int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
+        if len(text) > max_len * CHARS_PER_TOKEN_CAP:
+            raise RequestSpecError(f"{what} has {len(text)} characters; it cannot fit max_model_len={max_len} tokens")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestSpecError(f"{what} is not valid Unicode (lone surrogate)") from None
 
     def prepare(self, ids: list[int], sampling: dict[str, Any], body: Mapping[str, Any]) -> Any:
         max_len = int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
@@ -202,10 +243,15 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
     app = FastAPI(title="genartifact", lifespan=lifespan)
 
     async def body_of(request: Request) -> dict[str, Any]:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
         try:
-            body = json.loads(await request.body(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-        except ValueError:
-            raise RequestSpecError("request body is not valid JSON") from None
+            body = json.loads(bytes(raw), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+        except (ValueError, RecursionError):
+            raise RequestSpecError("request body is not valid JSON (or nested too deeply)") from None
         if not isinstance(body, dict):
             raise RequestSpecError("request body must be a JSON object")
         return body
@@ -214,10 +260,13 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
         reason = type(e).__name__
         srv.metrics.requests.labels("rejected", reason).inc()
         msg = str(e)
-        return _error(400 if not isinstance(e, NotImplementedError) else 501, msg, _field(msg))
+        return _error(413 if isinstance(e, BodyTooLarge) else 400, msg, _field(msg))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        llm = state["s"].engine.llm
+        if llm is None or getattr(llm, "errored", False):
+            return JSONResponse(status_code=503, content={"status": "engine_dead"})
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -234,13 +283,16 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
         srv = state["s"]
         try:
             body = await body_of(request)
-            stream = body.get("stream", False)
+            _check_keys(body, ENDPOINT_KEYS[kind], f"the {kind} request")
+            stream = body.get("stream")
+            stream = False if stream is None else stream
             if not isinstance(stream, bool):
                 raise RequestSpecError(f"stream={stream!r} invalid; allowed: true or false")
             if kind == "completions":
                 prompt = body.get("prompt")
                 if isinstance(prompt, str):
-                    ids = srv.engine.tokenizer(prompt)["input_ids"]
+                    srv.tokenize_check(prompt, "prompt")
+                    ids = (await asyncio.to_thread(srv.engine.tokenizer, prompt))["input_ids"]
                 elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                                  and t >= 0 for t in prompt):
                     ids = list(prompt)
@@ -253,14 +305,17 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
                         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                         for m in msgs):
                     raise RequestSpecError("messages must be a non-empty list of {role, content} strings")
-                ids = srv.engine.tokenizer.apply_chat_template(
+                for m in msgs:
+                    srv.tokenize_check(m["content"], "messages content")
+                ids = await asyncio.to_thread(
+                    srv.engine.tokenizer.apply_chat_template,
                     [{"role": m["role"], "content": m["content"]} for m in msgs], chat_template=srv.chat_template,
                     add_generation_prompt=True, tokenize=True, return_dict=False)
                 if isinstance(ids, dict):
                     ids = ids["input_ids"]
                 if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
                     body["max_tokens"] = body["max_completion_tokens"]
-                sampling = srv.sampling(body)
+                sampling = srv.sampling(body, chat=True)
             else:  # generate: token ids in/out
                 ids = body.get("token_ids")
                 if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -269,6 +324,7 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
                 sp = body.get("sampling_params", {})
                 if not isinstance(sp, dict):
                     raise RequestSpecError("sampling_params must be an object")
+                _check_keys(sp, SAMPLING_KEYS, "sampling_params")
                 sampling = srv.sampling(sp, logprobs_default=0)
                 if "routed_experts_prompt_start" in sp and "routed_experts_prompt_start" not in body:
                     body["routed_experts_prompt_start"] = sp["routed_experts_prompt_start"]

