@@ -42,6 +42,9 @@ def test_two_ranks_run_merge_report(tmp_path):
         assert d["capture_errors"] == {} and d["stream"]["gaps"] == 0
         assert all(x["dp_rank"] == r for x in d["points"])
         assert d["engine"]["worker_probe"]["responses"][0]["attention_backends"]
+        kinds = [e["kind"] for e in d["warmup_evidence"]]
+        assert kinds[0] == "global" and kinds.count("shape_replica") == 3
+        assert all(e["status"] == "completed" and e["forward_range"] for e in d["warmup_evidence"])
     # same coordinates, different ranks -> different prompt content
     assert ranks[0]["points"][0]["prompts"]["sha256"] != ranks[1]["points"][0]["prompts"]["sha256"]
     kvpt = next(x for x in ranks[0]["points"] if x["point"]["kv"])

@@ -125,6 +125,7 @@ class BenchRunner:
         """Measure one point; returns its record (``status`` completed or failed, raw samples, estimate)."""
         samples: list[dict[str, Any]] = []
         measured: list[int] = []
+        self._current = p
         rec: dict[str, Any] = {"point": p.as_dict(), "key": p.key(), "dp_rank": self.rank}
         try:
             if p.phase == "prefill":
@@ -176,7 +177,14 @@ class BenchRunner:
     def _take(self, samples: list[dict[str, Any]], role: str, want: Any = None,
               other_role: str = "unmatched") -> list[int]:
         idx = []
-        for f in self.collector.drain():
+        fpms = self.collector.drain()
+        if role == "discarded_replica":  # per-shape warmup replica: preparation evidence
+            self.warmup_evidence.append({"kind": "shape_replica", "point_key": self._current.key(),
+                                         "attempted_shape": self._current.as_dict(),
+                                         "status": "completed" if fpms else "failed: no forward pass observed",
+                                         "matched_shape": bool(want is None or any(want(f) for f in fpms)),
+                                         **_evidence(fpms)})
+        for f in fpms:
             match = want is None or want(f)
             i = len(samples)
             samples.append(_sample(i, f, role if match else other_role))
