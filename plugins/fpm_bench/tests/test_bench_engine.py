@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.engine
 
 
-def test_two_ranks_run_merge_report(tmp_path):
-    from genartifact.engine.tiny_model import make_tiny_model
-
-    model = ROOT / ".models" / "tiny-qwen3-moe"
-    if not (model / "model.safetensors").exists():
-        make_tiny_model(model)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
+def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
+    model, base = tiny_model, free_port
     points = tmp_path / "points.json"
     points.write_text(json.dumps({"points": [{"phase": "prefill", "batch": 2, "tokens": 128},
                                              {"phase": "prefill", "batch": 1, "tokens": 64, "kv": 128},

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
-from pathlib import Path
 
 import pytest
 from genartifact_fpm_bench import SCHEDULER_QUALNAME
 from genartifact_fpm_bench.fpm import FPM, VERSION, ScheduledStats, frames, parse_frames, stats
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_stats_and_framing_round_trip():
@@ -46,18 +42,12 @@ def test_ephemeral_range_warning_logic(tmp_path):
 
 
 @pytest.mark.engine
-def test_instrumented_scheduler_streams_one_fpm_per_forward_pass():
+def test_instrumented_scheduler_streams_one_fpm_per_forward_pass(tiny_model, free_port):
     import zmq
-    from genartifact.engine.tiny_model import make_tiny_model
     from genartifact.engine.vllm_adapter import VllmEngine
     from genartifact.host import PluginHost
 
-    model = ROOT / ".models" / "tiny-qwen3-moe"
-    if not (model / "model.safetensors").exists():
-        make_tiny_model(model)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    model, port = tiny_model, free_port
     os.environ.update(GENARTIFACT_FPM_STREAM="1", GENARTIFACT_FPM_PORT_BASE=str(port))
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
