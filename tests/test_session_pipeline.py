@@ -25,6 +25,13 @@ SETTINGS = {"managed_fsspec": {"profiles": {"mem": {"url": "memory://ga-test", "
                                                      "max_bytes": 2000}}}}
 
 
+@pytest.fixture(autouse=True)
+def engine_reported_logprobs(monkeypatch):
+    """These tests feed logprobs through deltas (the engine-reported source); the worker source is tested
+    with a fake worker below and on the real engine in test_engine_e2e."""
+    monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "engine")
+
+
 @pytest.fixture(scope="module")
 def host():
     return PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
@@ -406,3 +413,37 @@ def test_config_default_and_errors(tmp_path):
         parse("[plugins]\ncontents=['a','a']", source="x", base_dir=tmp_path)
     with pytest.raises(ConfigError, match="invalid TOML"):
         parse("[plugins", source="x", base_dir=tmp_path)
+
+
+class FakeLogprobWorker:
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
+
+    async def worker_call(self, method, *args):
+        self.calls.append(method)
+        return [self.reply]
+
+
+@pytest.mark.parametrize(
+    "reply, state",
+    [({"positions": [2, 3], "token_ids": [7, 8], "logprobs": [-0.5, float("-inf")]}, "ready"),
+     ({"positions": [3, 4], "token_ids": [7, 8], "logprobs": [-0.5, -1.0]}, "failed"),
+     ({"positions": [2, 3], "token_ids": [7, 9], "logprobs": [-0.5, -1.0]}, "failed"),
+     ({"positions": [2, 3], "token_ids": [7, 8], "logprobs": [-0.5, float("nan")]}, "failed"),
+     (None, "failed")],
+    ids=["aligned", "positions", "token-mismatch", "nan", "missing"],
+)
+async def test_worker_logprob_source_aligns_by_position_and_token(host, monkeypatch, reply, state):
+    monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "worker")
+    s = session(host)
+    s.admit(2, 2)
+    params = s.sampling_overrides({})
+    assert "genartifact_logprobs_id" in params["extra_args"] and "logprobs" not in params
+    s.record(Delta([1, 2], [7, 8], None, finished=True))
+    eng = FakeLogprobWorker(reply)
+    r = await s.finalize(eng)
+    assert r["state"] == state, r
+    assert eng.calls == ["selected_logprobs.fetch"]
+    if state == "ready":
+        art = fmt.decode(fsspec.open(f"memory://ga-test/{r['object_id'].split(':', 1)[1]}", "rb").open().read())
+        assert art.selected_logprobs().tolist() == [-0.5, float("-inf")]

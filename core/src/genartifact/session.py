@@ -250,7 +250,7 @@ class ArtifactSession:
         self._require_admitted()
         if self.failed_code is not None:
             return failed_receipt(self.request, self.failed_code)
-        final = FinalContext(self.prompt_token_count, len(self._completion), engine)
+        final = FinalContext(self.prompt_token_count, len(self._completion), engine, self._completion)
         try:
             for p in self._producers:
                 await p.collect(final)

@@ -69,12 +69,14 @@ class EngineHandle(Protocol):
 
 @dataclass
 class FinalContext:
-    """Token facts at finalize: ``prompt_token_count``, ``completion_token_count`` (tokens), and the
-    engine handle (None when finalizing without an engine, e.g. in unit tests)."""
+    """Token facts at finalize: ``prompt_token_count``, ``completion_token_count`` (tokens), the engine handle
+    (None when finalizing without an engine, e.g. in unit tests) and the completion token ids (the alignment
+    authority for engine-side captures)."""
 
     prompt_token_count: int
     completion_token_count: int
     engine: EngineHandle | None = None
+    completion_token_ids: Sequence[int] = ()
 
 
 class ContentProducer(Protocol):

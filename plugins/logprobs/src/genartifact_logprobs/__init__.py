@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import array
 import math
+import os
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,13 +29,23 @@ __version__ = "0.1.0"
 
 
 class SelectedLogprobs:
-    """Per-request producer; retains ``float32`` per completion token (4 bytes each)."""
+    """Per-request producer; retains ``float32`` per completion token (4 bytes each).
+
+    Two sources: ``worker`` (default when the genartifact worker extension runs and ``logprobs_mode`` is
+    ``raw_logprobs``: the sampled token's logprob is taken inside the worker, see :mod:`.worker`) and ``engine``
+    (vLLM's reported logprobs, ``logprobs=0``). ``GENARTIFACT_LOGPROBS_SOURCE=engine`` forces the latter."""
 
     name = NAME
 
-    def __init__(self) -> None:
+    def __init__(self, model: ModelInfo | None = None) -> None:
         self._values = array.array("f")
         self._max_tokens = 0
+        self._seen = 0
+        opts = model.engine_options if model is not None else {}
+        self.worker_source = (bool(opts.get("worker_extension")) and opts.get("logprobs_mode") == "raw_logprobs"
+                              and os.environ.get("GENARTIFACT_LOGPROBS_SOURCE", "worker") != "engine")
+        self.capture_id: str | None = None
+        self._fetched = False
 
     def admit(self, ctx: AdmissionContext) -> int:
         lp = ctx.sampling.get("logprobs")
@@ -43,6 +55,10 @@ class SelectedLogprobs:
         return 4 * ctx.max_tokens + 128
 
     def sampling_overrides(self, params: dict[str, Any]) -> None:
+        if self.worker_source:
+            self.capture_id = uuid.uuid4().hex
+            params["extra_args"] = {**(params.get("extra_args") or {}), "genartifact_logprobs_id": self.capture_id}
+            return
         if params.get("logprobs") is None:
             # only the sampled token; vLLM's flat container avoids per-token objects (FlatLogprobs)
             params["logprobs"] = 0
@@ -50,6 +66,11 @@ class SelectedLogprobs:
 
     def on_delta(self, delta: Delta) -> None:
         if not delta.new_token_ids:
+            return
+        if self.worker_source:  # values come from the worker at collect time
+            self._seen += len(delta.new_token_ids)
+            if self._seen > self._max_tokens:
+                raise CaptureError(f"selected_logprobs: more than the admitted {self._max_tokens} tokens")
             return
         lps = delta.new_logprobs
         if lps is None or len(lps) != len(delta.new_token_ids):
@@ -67,7 +88,33 @@ class SelectedLogprobs:
             self._values.append(v)
 
     async def collect(self, final: FinalContext) -> None:
-        return None
+        if not self.worker_source or self.capture_id is None:
+            return
+        if final.engine is None:
+            raise CaptureError("selected_logprobs: worker source needs the engine at collect time")
+        self._fetched = True
+        got = [r for r in await final.engine.worker_call(f"{NAME}.fetch", self.capture_id) if r is not None]
+        p, c = final.prompt_token_count, final.completion_token_count
+        if not got:
+            if c == 0:
+                return
+            raise CaptureError("selected_logprobs: no worker recorded this request's samples")
+        r = got[0]
+        if r["positions"] != list(range(p, p + c)):
+            raise CaptureError(f"selected_logprobs: worker samples cover positions {r['positions'][:3]}...; "
+                               f"expected {p}..{p + c - 1}")
+        if list(final.completion_token_ids) != list(r["token_ids"]):
+            raise CaptureError("selected_logprobs: worker-sampled token ids differ from the completion tokens")
+        for tok, v in zip(r["token_ids"], r["logprobs"], strict=True):
+            if math.isnan(v) or v == math.inf:
+                raise CaptureError(f"selected_logprobs: logprob {v} for token {tok}; allowed finite or -inf")
+        self._values = array.array("f", r["logprobs"])
+
+    async def discard(self, engine: Any) -> None:
+        """Drop worker-side samples not fetched (request failed or was cancelled)."""
+        if self.worker_source and self.capture_id is not None and not self._fetched and engine is not None:
+            self._fetched = True
+            await engine.worker_call(f"{NAME}.discard", self.capture_id)
 
     def finalize(self, final: FinalContext) -> tuple[dict[str, Any], list[TensorPart]]:
         if len(self._values) != final.completion_token_count:
@@ -86,4 +133,20 @@ class SelectedLogprobs:
 
 @hookimpl
 def genartifact_content_producer(name: str, model: ModelInfo) -> SelectedLogprobs | None:
-    return SelectedLogprobs() if name == NAME else None
+    return SelectedLogprobs(model) if name == NAME else None
+
+
+@hookimpl
+def genartifact_worker_init(worker: Any) -> None:
+    from genartifact_logprobs.worker import install
+
+    install(worker)
+
+
+@hookimpl
+def genartifact_worker_call(worker: Any, method: str, args: list[Any]) -> Any:
+    if not method.startswith(NAME + "."):
+        return None
+    from genartifact_logprobs.worker import call
+
+    return call(worker, method[len(NAME) + 1 :], args)
