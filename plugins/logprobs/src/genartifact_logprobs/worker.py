@@ -25,14 +25,18 @@ class _State:
         self.worker = worker
         self.sched: Any = None
         self.store: dict[str, dict[int, tuple[int, float]]] = {}
-        self.cids: dict[str, str | None] = {}
+        self.flagged: dict[str, str] = {}  # engine request id -> capture id, live flagged requests only
         orig_exec = mr.execute_model
 
         @functools.wraps(orig_exec)
         def execute_model(scheduler_output: Any, *a: Any, **kw: Any) -> Any:
             self.sched = scheduler_output  # kept for the sampling call that follows
+            for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+                extra = getattr(getattr(r, "sampling_params", None), "extra_args", None) or {}
+                if CAPTURE_KEY in extra:
+                    self.flagged[r.req_id] = str(extra[CAPTURE_KEY])
             for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
-                self.cids.pop(rid, None)
+                self.flagged.pop(rid, None)
             return orig_exec(scheduler_output, *a, **kw)
 
         mr.execute_model = execute_model
@@ -41,6 +45,8 @@ class _State:
 
         @functools.wraps(orig_forward)
         def forward(logits: Any, sampling_metadata: Any, *a: Any, **kw: Any) -> Any:
+            if not self.flagged:
+                return orig_forward(logits, sampling_metadata, *a, **kw)
             rows = self._rows(logits.shape[0])
             lp = logits.log_softmax(dim=-1, dtype=__import__("torch").float32) if rows else None
             out = orig_forward(logits, sampling_metadata, *a, **kw)
@@ -56,14 +62,6 @@ class _State:
 
         sampler.forward = forward
 
-    def _cid(self, rid: str) -> str | None:
-        if rid not in self.cids:
-            st = self.worker.model_runner.requests.get(rid)
-            extra = getattr(getattr(st, "sampling_params", None), "extra_args", None) or {}
-            cid = extra.get(CAPTURE_KEY)
-            self.cids[rid] = str(cid) if cid is not None else None
-        return self.cids[rid]
-
     def _rows(self, n_rows: int) -> list[tuple[int, str, int]]:
         so = self.sched
         if so is None:
@@ -72,7 +70,7 @@ class _State:
         ib = mr.input_batch
         rows = []
         for i, rid in enumerate(ib.req_ids[: min(ib.num_reqs, n_rows)]):
-            cid = self._cid(rid)
+            cid = self.flagged.get(rid)
             if cid is None:
                 continue
             n = int(so.num_scheduled_tokens.get(rid, 0))

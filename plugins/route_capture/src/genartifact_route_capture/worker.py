@@ -44,7 +44,7 @@ class _State:
             max_positions=int(vcfg.model_config.max_model_len),
         )
         self.sched: Any = None
-        self.cids: dict[str, str | None] = {}  # engine request id -> capture id (None: not captured)
+        self.flagged: dict[str, str] = {}  # engine request id -> capture id, for live flagged requests only
         self.step_ready = False
         for m in runners:
             m.router.set_capture_fn(functools.partial(self.capture, int(m.layer_id)))
@@ -52,7 +52,8 @@ class _State:
 
         @functools.wraps(orig)
         def execute_model(scheduler_output: Any, *a: Any, **kw: Any) -> Any:
-            self.sched, self.step_ready = scheduler_output, False
+            self._track(scheduler_output)
+            self.sched, self.step_ready = (scheduler_output if self.flagged else None), False
             try:
                 return orig(scheduler_output, *a, **kw)
             finally:
@@ -63,22 +64,23 @@ class _State:
         mr.execute_model = execute_model
         log.info("route_capture_installed", routers=len(found), runner=type(mr).__name__)
 
-    def _cid(self, rid: str) -> str | None:
-        if rid not in self.cids:
-            st = self.worker.model_runner.requests.get(rid)
-            extra = getattr(getattr(st, "sampling_params", None), "extra_args", None) or {}
-            cid = extra.get(CAPTURE_KEY)
-            self.cids[rid] = str(cid) if cid is not None else None
-        return self.cids[rid]
+    def _track(self, so: Any) -> None:
+        """Register flagged requests as they arrive and forget finished ones: a step without a flagged
+        request then costs one dict check (the capture callbacks return at once)."""
+        for r in getattr(so, "scheduled_new_reqs", ()) or ():
+            extra = getattr(getattr(r, "sampling_params", None), "extra_args", None) or {}
+            if CAPTURE_KEY in extra:
+                self.flagged[r.req_id] = str(extra[CAPTURE_KEY])
+        for rid in getattr(so, "finished_req_ids", ()) or ():
+            self.flagged.pop(rid, None)
 
     def _begin(self) -> None:
         mr, so = self.worker.model_runner, self.sched
-        for rid in getattr(so, "finished_req_ids", ()) or ():
-            self.cids.pop(rid, None)
         ib = mr.input_batch
         sched = so.num_scheduled_tokens
         computed = ib.num_computed_tokens_cpu
-        segs = [(self._cid(rid), int(computed[i]), int(sched.get(rid, 0)))
+        flagged = self.flagged
+        segs = [(flagged.get(rid), int(computed[i]), int(sched.get(rid, 0)))
                 for i, rid in enumerate(ib.req_ids[: ib.num_reqs])]
         self.recorder.begin_step(segs)
         self.step_ready = True
