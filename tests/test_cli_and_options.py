@@ -150,3 +150,17 @@ async def test_worker_calls_in_one_turn_are_coalesced_into_one_rpc():
     assert len(eng.llm.rpcs) == 1 and eng.llm.rpcs[0][:2] == ("batch", "moe_routes.fetch")
     assert await eng.worker_call("moe_routes.stats") == ["w0:None", "w1:None"]
     assert len(eng.llm.rpcs) == 2 and eng.llm.rpcs[1] == ("moe_routes.stats",)
+
+
+def test_track_flagged_adds_new_and_drops_finished():
+    from types import SimpleNamespace as NS
+
+    from genartifact.engine.worker_ext import track_flagged
+
+    flagged: dict[str, str] = {}
+    step1 = NS(scheduled_new_reqs=[NS(req_id="a-1", sampling_params=NS(extra_args={"k": "cid-a"})),
+                                   NS(req_id="b-2", sampling_params=NS(extra_args=None))], finished_req_ids=set())
+    track_flagged(step1, "k", flagged)
+    assert flagged == {"a-1": "cid-a"}
+    track_flagged(NS(scheduled_new_reqs=[], finished_req_ids={"a-1"}), "k", flagged)
+    assert flagged == {}

@@ -41,3 +41,15 @@ class GenartifactWorkerExtension:
         if result is None:
             raise ValueError(f"no enabled worker plugin handles method {method!r}")
         return None if isinstance(result, dict) and result.get("unknown") else result
+
+
+def track_flagged(scheduler_output: Any, key: str, flagged: dict[str, str]) -> None:
+    """Keep ``flagged`` (engine request id -> capture id) current from one step's ``SchedulerOutput``: add new
+    requests whose ``SamplingParams.extra_args`` carry ``key``, drop the step's ``finished_req_ids``. Worker-side
+    captures use it so that a step without a flagged request costs one dict check."""
+    for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+        extra = getattr(getattr(r, "sampling_params", None), "extra_args", None) or {}
+        if key in extra:
+            flagged[r.req_id] = str(extra[key])
+    for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
+        flagged.pop(rid, None)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from genartifact.engine.worker_ext import track_flagged
+
 CAPTURE_KEY = "genartifact_logprobs_id"
 
 
@@ -31,12 +33,7 @@ class _State:
         @functools.wraps(orig_exec)
         def execute_model(scheduler_output: Any, *a: Any, **kw: Any) -> Any:
             self.sched = scheduler_output  # kept for the sampling call that follows
-            for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
-                extra = getattr(getattr(r, "sampling_params", None), "extra_args", None) or {}
-                if CAPTURE_KEY in extra:
-                    self.flagged[r.req_id] = str(extra[CAPTURE_KEY])
-            for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
-                self.flagged.pop(rid, None)
+            track_flagged(scheduler_output, CAPTURE_KEY, self.flagged)
             return orig_exec(scheduler_output, *a, **kw)
 
         mr.execute_model = execute_model

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import structlog
+from genartifact.engine.worker_ext import track_flagged
 
 from genartifact_route_capture.layout import resolve_layout
 from genartifact_route_capture.recorder import RouteRecorder
@@ -44,7 +45,8 @@ class _State:
             max_positions=int(vcfg.model_config.max_model_len),
         )
         self.sched: Any = None
-        self.flagged: dict[str, str] = {}  # engine request id -> capture id, for live flagged requests only
+        # engine request id -> capture id of live flagged requests (a step without one returns at once)
+        self.flagged: dict[str, str] = {}
         self.step_ready = False
         for m in runners:
             m.router.set_capture_fn(functools.partial(self.capture, int(m.layer_id)))
@@ -52,7 +54,7 @@ class _State:
 
         @functools.wraps(orig)
         def execute_model(scheduler_output: Any, *a: Any, **kw: Any) -> Any:
-            self._track(scheduler_output)
+            track_flagged(scheduler_output, CAPTURE_KEY, self.flagged)
             self.sched, self.step_ready = (scheduler_output if self.flagged else None), False
             try:
                 return orig(scheduler_output, *a, **kw)
@@ -63,16 +65,6 @@ class _State:
 
         mr.execute_model = execute_model
         log.info("route_capture_installed", routers=len(found), runner=type(mr).__name__)
-
-    def _track(self, so: Any) -> None:
-        """Register flagged requests as they arrive and forget finished ones: a step without a flagged
-        request then costs one dict check (the capture callbacks return at once)."""
-        for r in getattr(so, "scheduled_new_reqs", ()) or ():
-            extra = getattr(getattr(r, "sampling_params", None), "extra_args", None) or {}
-            if CAPTURE_KEY in extra:
-                self.flagged[r.req_id] = str(extra[CAPTURE_KEY])
-        for rid in getattr(so, "finished_req_ids", ()) or ():
-            self.flagged.pop(rid, None)
 
     def _begin(self) -> None:
         mr, so = self.worker.model_runner, self.sched
