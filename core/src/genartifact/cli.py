@@ -47,11 +47,11 @@ def _read_object(ref: str, cfg_path: str | None) -> bytes:
         m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63}):(.+)", ref)
         if m:
             cfg = config_mod.load(cfg_path)
-            from genartifact_fsspec_target import _fs_and_path, parse_profiles, validate_key
+            from genartifact_fsspec_target import fs_and_path, parse_profiles, validate_key
 
             profiles = parse_profiles(cfg.targets.get("managed_fsspec", {}), cfg.base_dir)
             if m.group(1) in profiles:
-                fs, path = _fs_and_path(profiles[m.group(1)], validate_key(m.group(2)))
+                fs, path = fs_and_path(profiles[m.group(1)], validate_key(m.group(2)))
                 with fs.open(path, "rb") as f:
                     return _read_capped(f, ref)
     except GenartifactError:

@@ -115,9 +115,6 @@ class Hooks:
     def worker_call(self, worker: Any, method: str, args: list[Any]) -> Any:
         return self._pm.hook.genartifact_worker_call(worker=worker, method=method, args=args)
 
-    def collect_provenance(self, context: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-        return [r for r in self._pm.hook.genartifact_collect_provenance(context=context) if r is not None]
-
     def provenance_impls(self) -> list[tuple[str, Any]]:
         """``(plugin name, hook function)`` per probe implementation, in registration (config) order, for
         callers that must isolate failures per collector."""

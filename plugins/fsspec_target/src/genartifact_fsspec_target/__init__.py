@@ -342,7 +342,8 @@ async def _write_s3_create_only(prof: Profile, key: str, data: bytes, sha256: st
                 pass
 
 
-def _fs_and_path(profile: Profile, key: str) -> tuple[Any, str]:
+def fs_and_path(profile: Profile, key: str) -> tuple[Any, str]:
+    """A fresh filesystem for ``profile`` and the full path of ``key`` in it (for readers that stream)."""
     if profile.is_s3:
         return s3_filesystem(profile), f"{profile.url.split('://', 1)[1].rstrip('/')}/{key}"
     fs, root = fsspec.core.url_to_fs(profile.url, skip_instance_cache=True, **profile.storage_options)
@@ -351,17 +352,17 @@ def _fs_and_path(profile: Profile, key: str) -> tuple[Any, str]:
 
 def open_object(profile: Profile, key: str) -> bytes:
     """Read a stored object back (inspect, verify, reconcile, tests)."""
-    fs, path = _fs_and_path(profile, key)
+    fs, path = fs_and_path(profile, key)
     return fs.cat_file(path)
 
 
 def object_exists(profile: Profile, key: str) -> bool:
-    fs, path = _fs_and_path(profile, key)
+    fs, path = fs_and_path(profile, key)
     return bool(fs.exists(path))
 
 
 def delete_object(profile: Profile, key: str) -> None:
-    fs, path = _fs_and_path(profile, key)
+    fs, path = fs_and_path(profile, key)
     fs.rm_file(path)
 
 
