@@ -146,17 +146,12 @@ def preflight_row(host: PluginHost, targets: Mapping[str, Any], row: Mapping[str
     return spec
 
 
-async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config_mod.Config, contents: list[str],
-                       target: str, max_tokens: int, run_id: str, engine_kwargs: Mapping[str, Any],
-                       progress: bool = True) -> list[dict[str, Any]]:
-    """Validate every row, then run the valid ones concurrently through one engine; one receipt per prompt,
-    in input order (``rejected`` for rows refused before inference)."""
-    from tqdm import tqdm
-
+def preflight_rows(cfg: config_mod.Config, prompts: list[dict[str, Any]], contents: list[str], target: str,
+                   run_id: str) -> tuple[PluginHost, list[dict[str, Any] | None], dict[int, dict[str, Any]]]:
+    """Check every row without the engine: the plugin host, one slot per row (a ``rejected`` receipt for a
+    refused row, else None) and the request spec of each accepted row by index."""
     host = PluginHost(cfg.plugins)
     targets = check_target_tables(cfg, host)
-    settings = cfg.target_settings()
-    journal = cfg.journal()
     receipts: list[dict[str, Any] | None] = [None] * len(prompts)
     specs: dict[int, dict[str, Any]] = {}
     for i, row in enumerate(prompts):
@@ -164,32 +159,52 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config
             specs[i] = preflight_row(host, targets, row, contents, target, run_id, i)
         except (GenartifactError, ValueError, TypeError, OverflowError) as e:
             receipts[i] = {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(e)}
+    return host, receipts, specs
+
+
+async def run_row(engine: Any, index: int, row: Mapping[str, Any], spec: Mapping[str, Any],
+                  settings: Mapping[str, Any], journal: Any, max_tokens: int) -> dict[str, Any]:
+    """Run one preflighted prompt row on a started engine; returns its receipt (with ``index``,
+    ``prompt_tokens``, ``completion_tokens``), or a ``rejected`` receipt when the engine refuses it before
+    inference (``admission_rejected``, ``engine_rejected``). Never raises for the row's own faults."""
+    max_len = int(engine.model_info.engine_options.get("max_model_len", 0))
+    ids = engine.tokenizer(row["prompt"])["input_ids"]
+    sampling = {"max_tokens": row.get("max_tokens", max_tokens), "temperature": 1.0}
+    sampling.update({k: row[k] for k in SAMPLING_KEYS if k in row})
+    try:
+        if max_len and len(ids) >= max_len:
+            raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
+        res = await engine.run(ids, sampling, spec, settings, routes_start=row.get("routed_experts_prompt_start", 0),
+                               journal=journal, stream=False)  # a batch job consumes no per-token output
+        receipt = dict(res.receipt or {})
+        receipt.update(index=index, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
+    except GenartifactError as e:  # refused before inference: specific message, nothing stored
+        receipt = {"index": index, "state": "rejected", "error_code": "admission_rejected", "error": str(e)}
+    except (ValueError, TypeError) as e:  # the engine's own request validation (before generation)
+        receipt = {"index": index, "state": "rejected", "error_code": "engine_rejected",
+                   "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return receipt
+
+
+async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config_mod.Config, contents: list[str],
+                       target: str, max_tokens: int, run_id: str, engine_kwargs: Mapping[str, Any],
+                       progress: bool = True) -> list[dict[str, Any]]:
+    """Validate every row, then run the valid ones concurrently through one engine; one receipt per prompt,
+    in input order (``rejected`` for rows refused before inference)."""
+    from tqdm import tqdm
+
+    host, receipts, specs = preflight_rows(cfg, prompts, contents, target, run_id)
+    settings = cfg.target_settings()
+    journal = cfg.journal()
     if specs:
         from genartifact.engine.vllm_adapter import VllmEngine
 
         engine = await VllmEngine(host, model, **engine_kwargs).start()
         try:
             bar = tqdm(total=len(specs), desc="generate", unit="req", disable=not progress)
-            max_len = int(engine.model_info.engine_options.get("max_model_len", 0))  # type: ignore[union-attr]
 
             async def one(i: int) -> dict[str, Any]:
-                row = prompts[i]
-                ids = engine.tokenizer(row["prompt"])["input_ids"]
-                sampling = {"max_tokens": row.get("max_tokens", max_tokens), "temperature": 1.0}
-                sampling.update({k: row[k] for k in SAMPLING_KEYS if k in row})
-                try:
-                    if max_len and len(ids) >= max_len:
-                        raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
-                    res = await engine.run(ids, sampling, specs[i], settings,
-                                           routes_start=row.get("routed_experts_prompt_start", 0), journal=journal,
-                                           stream=False)  # a batch job consumes no per-token output
-                    receipt = dict(res.receipt or {})
-                    receipt.update(index=i, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
-                except GenartifactError as e:  # refused before inference: specific message, nothing stored
-                    receipt = {"index": i, "state": "rejected", "error_code": "admission_rejected", "error": str(e)}
-                except (ValueError, TypeError) as e:  # the engine's own request validation (before generation)
-                    receipt = {"index": i, "state": "rejected", "error_code": "engine_rejected",
-                               "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                receipt = await run_row(engine, i, prompts[i], specs[i], settings, journal, max_tokens)
                 bar.update(1)
                 return receipt
 
@@ -233,9 +248,9 @@ def run_generate_cli(args: argparse.Namespace) -> int:
         raise RequestSpecError(f"receipts directory {str(out.parent)!r} is not writable")
     max_decoded_bytes(), pipeline_concurrency()  # environment limits fail now, not after inference
     t0 = time.perf_counter()
-    receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
-                                        target=args.target, max_tokens=args.max_tokens, run_id=run_id,
-                                        engine_kwargs=kwargs))
+    common = dict(model=str(model), prompts=prompts, cfg=cfg, contents=contents, target=args.target,
+                  max_tokens=args.max_tokens, run_id=run_id, engine_kwargs=kwargs)
+    receipts = asyncio.run(run_generate(**common))
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex}.tmp")
     tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in receipts), encoding="utf-8")
     try:
