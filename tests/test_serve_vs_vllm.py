@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,18 +33,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(proc: subprocess.Popen, base: str, deadline: float) -> None:
+def wait_healthy(proc: subprocess.Popen, base: str, deadline: float, log) -> None:
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read().decode()[-3000:])
+            raise RuntimeError(log.read_text()[-3000:])
         try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(proc.stdout.read().decode()[-3000:])
+        time.sleep(1)
+    raise RuntimeError(f"{base} not healthy in time: " + log.read_text()[-3000:])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a server and every process it started (its own session: API server, engine core, workers)."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:  # the leader is gone; make sure no engine process outlives it
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return
 
 
 @pytest.fixture(scope="module")
@@ -54,32 +73,26 @@ def servers(qwen_model, tmp_path_factory):
                    f'[targets.managed_fsspec.profiles.local]\nurl = "{root}/store"\nallowed_prefixes = ["runs/"]\n')
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     ports = free_port(), free_port()
-    procs = [
+    cmds = [
         # vLLM's OpenAI server, the one `vllm serve` runs (the `vllm` console script itself fails on vllm-cpu:
         # it looks up the version of a distribution named "vllm", which vllm-cpu is not)
-        subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(qwen_model), "--port",
-                          str(ports[0]), "--host", "127.0.0.1", *ENGINE], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, env=env),
-        subprocess.Popen([sys.executable, "-m", "genartifact.cli", "serve", "--model", str(qwen_model), "--config",
-                          str(cfg), "--port", str(ports[1]), *ENGINE], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, env=env),
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(qwen_model), "--port",
+         str(ports[0]), "--host", "127.0.0.1", *ENGINE],
+        [sys.executable, "-m", "genartifact.cli", "serve", "--model", str(qwen_model), "--config", str(cfg), "--port",
+         str(ports[1]), *ENGINE],
     ]
+    logs = [root / "vllm.log", root / "genartifact.log"]
+    procs = [subprocess.Popen(c, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+             for c, log in zip(cmds, logs, strict=True)]
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     try:
-        deadline = time.time() + 400
-        for proc, base in zip(procs, bases, strict=True):
-            wait_healthy(proc, base, deadline)
+        deadline = time.time() + 900  # two engines starting at once on a small shared machine
+        for proc, base, log in zip(procs, bases, logs, strict=True):
+            wait_healthy(proc, base, deadline, log)
         yield {"vllm": bases[0], "ga": bases[1], "root": root}
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
 
 
 def same(ours, theirs, path="") -> None:

@@ -213,8 +213,8 @@ class Server:
             kw["detokenize"] = False
         try:
             SamplingParams(**kw)
-        except (ValueError, TypeError) as e:
-            raise RequestSpecError(str(getattr(e, "message", None) or e)[:500]) from None
+        except Exception as e:  # noqa: BLE001 - ValueError, TypeError or vLLM's VLLMValidationError: all refusals
+            raise RequestSpecError(str(e)[:500]) from None
 
     def max_model_len(self) -> int:
         """The engine's context length in tokens (as vLLM's ``/v1/models`` reports it)."""
