@@ -44,6 +44,8 @@ class Config:
     source: str = "<embedded default>"
     journal_path: Path | None = None
     contents: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the ``[engine]`` table: vLLM engine arguments (see :mod:`genartifact.engine.engine_args`), unparsed here
+    engine: dict[str, Any] = field(default_factory=dict)
 
     def target_settings(self) -> dict[str, dict[str, Any]]:
         """Per enabled or configured target kind its settings table, with ``base_dir`` (str) added for
@@ -75,10 +77,13 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
-    extra = set(data) - {"plugins", "targets", "contents", "journal"}
+    extra = set(data) - {"plugins", "targets", "contents", "journal", "engine"}
     if extra:
         raise ConfigError(f"{source}: unknown top-level key(s) {sorted(extra)}; "
-                          f"allowed: ['contents', 'journal', 'plugins', 'targets']")
+                          "allowed: ['contents', 'engine', 'journal', 'plugins', 'targets']")
+    engine = data.get("engine", {})
+    if not isinstance(engine, Mapping):
+        raise ConfigError(f"{source}: [engine] must be a table of vLLM engine arguments")
     journal = data.get("journal", {})
     if not isinstance(journal, Mapping) or set(journal) - {"path"} or not isinstance(journal.get("path", ""), str):
         raise ConfigError(f"{source}: [journal] takes one key, path (string)")
@@ -112,7 +117,8 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
             raise ConfigError(f"{source}: [contents.{k}].base_dir is reserved (set to the config file's directory)")
     return Config(plugins=plugins, targets={k.replace("-", "_"): dict(v) for k, v in targets.items()},
                   base_dir=base_dir, source=source, journal_path=journal_path,
-                  contents={k.replace("-", "_"): dict(v) for k, v in contents.items()})
+                  contents={k.replace("-", "_"): dict(v) for k, v in contents.items()},
+                  engine=dict(engine))
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:

@@ -344,6 +344,15 @@ class ArtifactSession:
                 await self._journal_outcome(did, "failed", code)
                 did = None
                 return failed_receipt(self.request, code)
+            except PluginFault:  # a target bug (e.g. a wrong return value): the object may exist; journal says so
+                await self._journal_outcome(did, "failed", "internal_error")
+                did = None
+                return failed_receipt(self.request, "internal_error")
+            except BaseException:
+                # cancelled or crashed mid-upload: the object may or may not have landed (reconcile judges it)
+                await asyncio.shield(self._journal_outcome(did, "interrupted"))
+                did = None
+                raise
             await self._journal_outcome(did, "ready")
             did = None
             object_id = self._validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
@@ -368,12 +377,14 @@ class ArtifactSession:
             sem.release()
 
     async def _journal_outcome(self, did: str | None, state: str, code: str | None = None) -> None:
+        """Journal an outcome; a journal that cannot be written (ENOSPC...) never changes the receipt: the
+        object's fate is already decided, and reconcile will see the intent without this outcome."""
         if did is None or self.journal is None:
             return
         try:
             await asyncio.to_thread(self.journal.outcome, did, state, code)
-        except Exception as e:  # noqa: BLE001 - the receipt stands; reconcile lists the intent
-            log.error("journal_outcome_failed", error_type=type(e).__name__)
+        except OSError as e:
+            log.error("journal_outcome_not_written", state=state, errno=e.errno)
 
     async def aclose(self, engine: Any = None) -> None:
         """Release engine-side state (producers' optional ``discard(engine)``), then :meth:`release`."""
