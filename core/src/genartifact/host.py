@@ -330,6 +330,22 @@ class GuardedTarget:
                                                       f"object_id (a string)")
         return str(oid)
 
+    def __getattr__(self, name: str) -> Any:
+        """Other public methods of the target (e.g. ``leftovers``), isolated the same way (no return checks)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        fn = getattr(self.inner, name)
+        if not callable(fn):
+            return fn
+        if inspect.iscoroutinefunction(fn):
+            async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+                return await acall_plugin(self.info, name, fn, *args, expected=(TargetError, DeliveryError), **kwargs)
+            return guarded_async
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            return call_plugin(self.info, name, fn, *args, expected=(TargetError, DeliveryError), **kwargs)
+        return guarded
+
     def _read_method(self, name: str) -> Callable[..., Any]:
         fn = getattr(self.inner, name, None)
         if fn is None:
