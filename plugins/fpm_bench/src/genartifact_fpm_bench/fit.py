@@ -344,7 +344,7 @@ def fit(train: Sequence[str | Path], holdout: Sequence[str | Path] = (), rank: i
                                                [o.cv for o in hp])
         basis = "off_grid" if hp else "loo"
 
-        def score(kind: str, basis: str = basis) -> float:
+        def score(kind: str, basis: str = basis, ev: dict[str, Any] = ev) -> float:
             e = ev[kind][basis]
             m = e["cv_ok"]["mape_pct"] if e["cv_ok"]["n"] else e["all"]["mape_pct"]
             return math.inf if m is None else m
@@ -468,6 +468,9 @@ def predict(model: str | Path | Mapping[str, Any] | StepModel, shape: Mapping[st
 
 def summary_lines(doc: Mapping[str, Any]) -> list[str]:
     """Human-readable holdout summary (one line per phase and model kind)."""
+    def fmt(e: Mapping[str, Any]) -> str:
+        return "–" if e["mape_pct"] is None else f"MAPE {e['mape_pct']:.2f} % max {e['max_error_pct']:.2f} % (n={e['n']})"
+
     lines = []
     for phase, m in doc["phases"].items():
         for kind in ("linear", "interpolate"):
@@ -476,8 +479,6 @@ def summary_lines(doc: Mapping[str, Any]) -> list[str]:
             for basis in ("loo", "off_grid"):
                 if basis in ev:
                     a, c = ev[basis]["all"], ev[basis]["cv_ok"]
-                    fmt = (lambda e: "–" if e["mape_pct"] is None else
-                           f"MAPE {e['mape_pct']:.2f} % max {e['max_error_pct']:.2f} % (n={e['n']})")
                     parts.append(f"{basis}: {fmt(c)} [CV<={NOISY_CV}], {fmt(a)} [all]")
             mark = " (selected)" if m["selected"] == kind else ""
             lines.append(f"{phase:7} {kind:11}{mark:11} " + "; ".join(parts))
