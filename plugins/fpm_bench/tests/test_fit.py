@@ -13,56 +13,6 @@ from genartifact_fpm_bench import fit as fitmod
 from genartifact_fpm_bench.artifact import write_once
 from genartifact_fpm_bench.fit import FitError, StepModel, fit, predict
 
-PRE = np.array([2e-3, 1e-4, 3e-5, 2e-9])  # intercept, requests, tokens, attention pairs
-DEC = np.array([3e-3, 2e-4, 1e-7])  # intercept, requests, kv tokens
-
-
-def law(shape: dict) -> float:
-    phase = fitmod.phase_of(shape)
-    return float(fitmod.linear_features(phase, shape) @ (PRE if phase == "prefill" else DEC))
-
-
-def shape_of(pt: dict) -> dict:
-    if pt["phase"] == "prefill":
-        return {"num_prefill_requests": pt["batch"], "sum_prefill_tokens": pt["tokens"],
-                "sum_prefill_kv_tokens": pt["batch"] * pt.get("kv", 0), "num_decode_requests": 0,
-                "sum_decode_kv_tokens": 0}
-    return {"num_prefill_requests": 0, "sum_prefill_tokens": 0, "sum_prefill_kv_tokens": 0,
-            "num_decode_requests": pt["batch"], "sum_decode_kv_tokens": pt["batch"] * (pt["context"] - 1)}
-
-
-def key(pt: dict) -> str:
-    if pt["phase"] == "prefill":
-        return f"prefill:t{pt['tokens']}:b{pt['batch']}:kv{pt.get('kv', 0)}"
-    return f"decode:b{pt['batch']}:c{pt['context']}"
-
-
-def artifact(points: list[dict], *, rank: int = 0, run_id: str = "run", digest: str = "g", noise: float = 0.01,
-             scale: float = 1.0, seed: int = 0, engine: dict | None = None) -> dict:
-    rng = np.random.default_rng(seed)
-    recs = []
-    for pt in points:
-        pt = {"tokens": 0, "kv": 0, "context": 0, **pt}
-        sh = shape_of(pt)
-        walls = [law(sh) * scale * (1 + noise * rng.standard_normal()) for _ in range(5)]
-        samples = [{"sample_index": i, "role": "measure", "timing": {"wall_time": w}, "scheduled": sh}
-                   for i, w in enumerate(walls)]
-        cv = float(np.std(walls) / np.mean(walls))
-        recs.append({"key": key(pt), "point": pt, "dp_rank": rank, "status": "completed", "raw_samples": samples,
-                     "estimate": {"wall_time": float(np.median(walls)), "raw_sample_indices": list(range(5)),
-                                  "cv": cv, "noisy": cv > 0.1}})
-    return {"schema": "genartifact.fpm_bench.rank", "schema_version": 1, "artifact_type": "rank", "run_id": run_id,
-            "grid_digest": digest, "mode": "agg", "dp": {"rank": rank, "size": 1},
-            "protocol": {"timing_basis": "schedule_to_output", "estimate": "median of measured samples"},
-            "points": recs, "engine": engine or {"model": {"model": "tiny"}, "parallel": {"data_parallel_rank": rank}}}
-
-
-GRID = ([{"phase": "prefill", "batch": b, "tokens": t, "kv": kv} for b in (1, 2, 4) for t in (64, 128, 256, 512, 1024)
-         for kv in (0, 128)] +
-        [{"phase": "decode", "batch": b, "context": c} for b in (1, 2, 4, 8, 16) for c in (16, 64, 256, 1024)])
-OFF = ([{"phase": "prefill", "batch": b, "tokens": t, "kv": 0} for b in (1, 2, 4) for t in (96, 384, 768)] +
-       [{"phase": "decode", "batch": b, "context": c} for b in (3, 6, 12) for c in (48, 192, 768)])
-
 
 def write(tmp_path, name, doc):
     p = tmp_path / name
@@ -70,14 +20,14 @@ def write(tmp_path, name, doc):
     return p
 
 
-def test_recovers_a_known_law_with_small_holdout_error(tmp_path):
-    train = write(tmp_path, "grid.json", artifact(GRID, noise=0.005))
-    hold = write(tmp_path, "off.json", artifact(OFF, noise=0.005, run_id="run2", digest="g2", seed=1))
+def test_recovers_a_known_law_with_small_holdout_error(tmp_path, synth):
+    train = write(tmp_path, "grid.json", synth.artifact(synth.GRID, noise=0.005))
+    hold = write(tmp_path, "off.json", synth.artifact(synth.OFF, noise=0.005, run_id="run2", digest="g2", seed=1))
     doc = fit([train], [hold])
     assert doc["schema"] == "genartifact.fpm_bench.step_model" and doc["schema_version"] == 1
     assert doc["source"]["grid_digest"] == "g" and doc["source"]["engine_identity"]
     assert doc["source"]["holdout"][0]["grid_digest"] == "g2"
-    for phase, truth in (("prefill", PRE), ("decode", DEC)):
+    for phase, truth in (("prefill", synth.PRE), ("decode", synth.DEC)):
         m = doc["phases"][phase]
         coef = np.array(m["linear"]["coefficients"])
         assert (coef >= 0).all()
@@ -91,17 +41,17 @@ def test_recovers_a_known_law_with_small_holdout_error(tmp_path):
         assert m["selected"] == "linear" and m["selected_by"].startswith("off_grid")
         assert m["holdout"]["linear"]["off_grid"]["all"]["mape_pct"] < 1.5
     model = StepModel(doc)
-    for pt in OFF:
-        sh = shape_of({"tokens": 0, "kv": 0, "context": 0, **pt})
-        assert model.predict(sh) == pytest.approx(law(sh), rel=0.03)
+    for pt in synth.OFF:
+        sh = synth.shape_of({"tokens": 0, "kv": 0, "context": 0, **pt})
+        assert model.predict(sh) == pytest.approx(synth.law(sh), rel=0.03)
         assert model.in_domain(sh)
 
 
-def test_interpolation_wins_on_a_nonlinear_law_and_is_exact_on_the_grid(tmp_path):
+def test_interpolation_wins_on_a_nonlinear_law_and_is_exact_on_the_grid(tmp_path, synth):
     def curved(shape):  # step time ~ sqrt of the linear law: not linear in the features
-        return 0.01 * (law(shape) / 1e-3) ** 0.5
+        return 0.01 * (synth.law(shape) / 1e-3) ** 0.5
 
-    doc0 = artifact(GRID, noise=0.0)
+    doc0 = synth.artifact(synth.GRID, noise=0.0)
     for r in doc0["points"]:
         sh = r["raw_samples"][0]["scheduled"]
         for s in r["raw_samples"]:
@@ -120,8 +70,8 @@ def test_interpolation_wins_on_a_nonlinear_law_and_is_exact_on_the_grid(tmp_path
             assert model.predict(sh, kind="interpolate") == pytest.approx(curved(sh), rel=1e-9)
 
 
-def test_outside_the_grid_interpolation_falls_back_to_linear_and_mixed_passes_add(tmp_path):
-    doc = fit([write(tmp_path, "grid.json", artifact(GRID, noise=0.0))])
+def test_outside_the_grid_interpolation_falls_back_to_linear_and_mixed_passes_add(tmp_path, synth):
+    doc = fit([write(tmp_path, "grid.json", synth.artifact(synth.GRID, noise=0.0))])
     model = StepModel(doc)
     far = {"num_decode_requests": 64, "sum_decode_kv_tokens": 64 * 4000}
     assert not model.in_domain(far)
@@ -138,8 +88,8 @@ def test_outside_the_grid_interpolation_falls_back_to_linear_and_mixed_passes_ad
         model.predict(far, kind="cubic")
 
 
-def test_model_file_round_trip_and_predict_helper(tmp_path):
-    doc = fit([write(tmp_path, "grid.json", artifact(GRID))])
+def test_model_file_round_trip_and_predict_helper(tmp_path, synth):
+    doc = fit([write(tmp_path, "grid.json", synth.artifact(synth.GRID))])
     out = fitmod.write_model(doc, tmp_path / "model.json")
     with pytest.raises(FileExistsError):
         fitmod.write_model(doc, out)
@@ -152,19 +102,19 @@ def test_model_file_round_trip_and_predict_helper(tmp_path):
         StepModel(bad)
 
 
-def test_ranks_pooled_cv_recomputed_and_identity_checked(tmp_path):
-    a = write(tmp_path, "r0.json", artifact(GRID, rank=0))
-    b = write(tmp_path, "r1.json", artifact(GRID, rank=1, scale=1.1, seed=3))
+def test_ranks_pooled_cv_recomputed_and_identity_checked(tmp_path, synth):
+    a = write(tmp_path, "r0.json", synth.artifact(synth.GRID, rank=0))
+    b = write(tmp_path, "r1.json", synth.artifact(synth.GRID, rank=1, scale=1.1, seed=3))
     doc = fit([a, b])
     g = doc["phases"]["decode"]["grid"][0]
     assert set(g["ranks"]) == {"0", "1"} and g["y"] == pytest.approx(np.mean(list(g["ranks"].values())))
     # CV comes from the raw samples, not the stored estimate
-    noisy = artifact(GRID, noise=0.3, seed=5)
+    noisy = synth.artifact(synth.GRID, noise=0.3, seed=5)
     for r in noisy["points"]:
         r["estimate"]["cv"], r["estimate"]["noisy"] = 0.0, False
     d2 = fit([write(tmp_path, "noisy.json", noisy)])
     assert max(x["cv"] for x in d2["phases"]["decode"]["grid"]) > 0.1
-    other = write(tmp_path, "other_engine.json", artifact(OFF, run_id="x", digest="y",
+    other = write(tmp_path, "other_engine.json", synth.artifact(synth.OFF, run_id="x", digest="y",
                                                           engine={"model": {"model": "bigger"}}))
     with pytest.raises(FitError, match="model.model"):
         fit([a], [other])
@@ -173,19 +123,19 @@ def test_ranks_pooled_cv_recomputed_and_identity_checked(tmp_path):
     with pytest.raises(FitError, match="not a genartifact.fpm_bench.rank"):
         fit([write(tmp_path, "junk.json", {"schema": "x"})])
     with pytest.raises(FitError, match="no phase has at least 2"):
-        fit([write(tmp_path, "one.json", artifact(GRID[:1]))])
+        fit([write(tmp_path, "one.json", synth.artifact(synth.GRID[:1]))])
 
 
-def test_bench_fit_cli(tmp_path):
-    train = write(tmp_path, "grid.json", artifact(GRID))
-    hold = write(tmp_path, "off.json", artifact(OFF, run_id="r2", digest="g2", seed=2))
+def test_bench_fit_cli(tmp_path, synth):
+    train = write(tmp_path, "grid.json", synth.artifact(synth.GRID))
+    hold = write(tmp_path, "off.json", synth.artifact(synth.OFF, run_id="r2", digest="g2", seed=2))
     out = tmp_path / "model.json"
     proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "fit", str(train), "--holdout", str(hold),
                            "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "prefill" in proc.stdout and "off_grid" in proc.stdout and "(selected)" in proc.stdout
     assert json.loads(out.read_text())["phases"]["decode"]["holdout"]["linear"]["off_grid"]["all"]["n"] == len(
-        [p for p in OFF if p["phase"] == "decode"])
+        [p for p in synth.OFF if p["phase"] == "decode"])
     proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "fit", str(train), "--out", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "exists" in proc.stderr

@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rp = sub.add_parser("report", help="PNG plots and a Markdown summary of a rank or merged artifact")
     rp.add_argument("artifact")
     rp.add_argument("--out", required=True)
+    rp.add_argument("--model", help="a bench fit model JSON: fit lines and residual plots")
 
 
 def main(args: Any) -> int:
@@ -82,5 +83,6 @@ def _main(args: Any) -> int:
     else:
         from genartifact_fpm_bench.report import report
 
-        print(f"report: {report(args.artifact, args.out)}")
+        md = report(args.artifact, args.out, model=args.model)
+        print(f"report: {md} and {md.with_name('report.html')}")
     return 0
