@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from genartifact import config as config_mod
+from genartifact.engine.engine_args import accept_engine_args, takes_engine_args
 from genartifact.errors import GenartifactError
 from genartifact.logging import configure_logging
 
@@ -349,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
+        p = sub.add_parser(name, help=help, allow_abbrev=False)  # vLLM engine args must never match by prefix
         p.set_defaults(fn=fn)
         p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
         return p
@@ -373,17 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="receipts.jsonl path, must not exist (default: artifacts/runs/<run-id>/receipts.jsonl)")
     p.add_argument("--run-id", default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    accept_engine_args(p)  # plus vLLM's own engine arguments (parsed lazily: genartifact.engine.engine_args)
     p = add("serve", cmd_serve, "OpenAI-compatible + token-in/out HTTP server; requests may ask for artifacts")
     p.add_argument("--model", required=True, help="local model directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-s", type=float, default=30.0, help="graceful shutdown: wait this long for deliveries")
+    accept_engine_args(p)
     try:  # the FPM self-benchmark ships as its own distribution
         from genartifact_fpm_bench.cli import add_arguments as bench_arguments
     except ImportError:
@@ -409,7 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra and not takes_engine_args(args):
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.engine_argv = extra  # vLLM engine arguments, parsed by the engine command (engine_args.engine_kwargs)
     configure_logging(json_lines=args.log_json)
     try:
         return int(args.fn(args) or 0)
