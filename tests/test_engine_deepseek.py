@@ -74,3 +74,4 @@ async def test_dense_first_layer_routes(ds_engine, deepseek_model, tmp_path):
     top = -np.sort(-scores, -1)
     gap = top[..., 1] - top[..., 2]  # top_k = 2
     assert (gap[~same] < 0.01).all(), sorted(gap[~same])[-5:]
+
