@@ -146,6 +146,21 @@ async def fetch(target: ReadableTarget, item: Mapping[str, Any] | str | Artifact
     return verify_bytes(ref, data, max_decoded_bytes=max_decoded_bytes)
 
 
+def fetch_sync(target: ReadableTarget, item: Mapping[str, Any] | str | ArtifactRef, *,
+               max_decoded_bytes: int | None = None) -> fmt.Artifact:
+    """Synchronous :func:`fetch` (runs its own event loop; from async code await :func:`fetch`)."""
+    _no_running_loop("fetch_sync", "fetch")
+    return asyncio.run(fetch(target, item, max_decoded_bytes=max_decoded_bytes))
+
+
+def _no_running_loop(name: str, alternative: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{name} called inside a running event loop; use 'await {alternative}(...)'")
+
+
 def _decoded_limit(max_decoded_bytes: int | None) -> int:
     if max_decoded_bytes is None:
         from genartifact.limits import max_decoded_bytes as env_limit
@@ -542,11 +557,8 @@ async def aload_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
 
 def load_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], target: ReadableTarget, **kwargs: Any) -> BatchResult:
     """Synchronous :func:`aload_batch` (runs its own event loop; from async code await ``aload_batch``)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(aload_batch(items, target, **kwargs))
-    raise RuntimeError("load_batch called inside a running event loop; use 'await aload_batch(...)'")
+    _no_running_loop("load_batch", "aload_batch")
+    return asyncio.run(aload_batch(items, target, **kwargs))
 
 
 def open_target(kind: str = "managed_fsspec", config: str | None = None) -> Any:
@@ -562,5 +574,5 @@ def open_target(kind: str = "managed_fsspec", config: str | None = None) -> Any:
 
 
 __all__ = ["CHECKS", "LAYOUTS", "ArtifactRef", "BatchResult", "LayoutError", "LoadError", "Packed", "RawRoutes",
-           "ReadableTarget", "Routes", "aload_batch", "fetch", "load_batch", "nemo_rl", "open_target", "packed",
+           "ReadableTarget", "Routes", "aload_batch", "fetch", "fetch_sync", "load_batch", "nemo_rl", "open_target", "packed",
            "raw", "ref_of", "slime", "stitch_turns", "verify_bytes", "verl"]
