@@ -48,7 +48,8 @@ path = "{root}/journal.jsonl"
     port = free_port()
     env = {**os.environ, "GENARTIFACT_PIPELINE_CONCURRENCY": "2"}
     proc = subprocess.Popen([sys.executable, "-m", "genartifact.cli", "serve", "--model", str(qwen_model), "--config",
-                             str(cfg), "--port", str(port), "--served-model-name", "tiny", "--drain-s", "10"],
+                             str(cfg), "--port", str(port), "--served-model-name", "tiny", "--drain-s", "10",
+                             "--max_model_len", "2k", "--max-num-seqs", "8"],  # vLLM engine arguments, as vllm serve
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -121,6 +122,7 @@ def test_openai_completions_and_chat(server):
     plain = client.completions.create(model="tiny", prompt="hello", max_tokens=3)
     assert "generation_artifact" not in (plain.model_extra or {})
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.list().data[0].model_extra["max_model_len"] == 2000  # "2k", parsed as vllm serve does
 
 
 def test_generate_token_ids_and_logprobs_align_with_artifact(server):

@@ -1,4 +1,4 @@
-"""Both storage targets against a real S3-compatible server on loopback (moto server mode): presigned URLs
+"""Both storage targets against a real S3 implementation on loopback (SeaweedFS): presigned URLs
 signed by boto3, managed s3fs profiles, the bounded pipeline under load, and the main job end to end."""
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ async def test_presigned_put_to_s3_and_create_only(host, s3_server, tmp_path):
     assert s3_server["client"].get_object(Bucket="ga-test", Key=key)["Body"].read() == body
     text = (tmp_path / "j.jsonl").read_text()
     assert "X-Amz-Signature" not in text and "Credential" not in text  # journal holds no secrets
-    assert [row["last_state"] for row in journal.unresolved()] == ["failed"]
+    assert [(d["last_state"], d["last_code"]) for d in journal.deliveries()] == [("ready", None),
+                                                                                 ("failed", "object_exists")]
+    assert journal.unresolved() == []  # 412: the store kept nothing of the second delivery
 
 
 async def test_grant_expiring_after_admission_is_never_sent(host, s3_server):

@@ -13,19 +13,11 @@ from genartifact import loaders as ld
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
 
-class DirTarget:
-    """Read-back of the test's file:// profile ``t`` (object id ``t:<key>``)."""
+def read_back(root):
+    """The managed_fsspec target of the test profile ``t`` (its read-back side)."""
+    from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles
 
-    def __init__(self, root):
-        self.root = root
-
-    async def open(self, object_id, max_bytes):
-        profile, key = object_id.split(":", 1)
-        assert profile == "t"
-        data = (self.root / key).read_bytes()
-        if len(data) > max_bytes:
-            raise OSError("larger than max_bytes")
-        return data
+    return ManagedFsspecTarget(parse_profiles(settings(root)["managed_fsspec"]))
 
 
 async def test_multi_turn_stitching_equals_full_sequence_request(engine, tmp_path):
@@ -42,7 +34,7 @@ async def test_multi_turn_stitching_equals_full_sequence_request(engine, tmp_pat
     full = await engine.run(prompt2, greedy, spec(), settings(tmp_path))
     assert full.completion_token_ids == r2.completion_token_ids
 
-    res = await ld.aload_batch([r0.receipt, r1.receipt, r2.receipt, full.receipt], DirTarget(tmp_path))
+    res = await ld.aload_batch([r0.receipt, r1.receipt, r2.receipt, full.receipt], read_back(tmp_path))
     assert res.ok, res.errors
     turns, whole = res.items[:3], res.items[3]
     stitched = ld.stitch_turns(turns)
@@ -65,7 +57,7 @@ async def test_replay_check_passes_real_artifacts(engine, qwen_model, tmp_path, 
         r = await engine.run(engine.tokenizer(text)["input_ids"], {"max_tokens": 8 + i, "temperature": 1.0},
                              spec(), settings(tmp_path))
         receipts.append(r.receipt)
-    res = await ld.aload_batch(receipts, DirTarget(tmp_path))
+    res = await ld.aload_batch(receipts, read_back(tmp_path))
     assert res.ok
     oracle = rc.HFOracle(qwen_model)
     for art in res.items:

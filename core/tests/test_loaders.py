@@ -253,21 +253,6 @@ def test_load_batch_refuses_running_loop():
     asyncio.run(inner())
 
 
-def test_load_batch_with_the_managed_fsspec_read_back(tmp_path):
-    pytest.importorskip("genartifact_fsspec_target")
-    from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles
-
-    if not hasattr(ManagedFsspecTarget, "open"):
-        pytest.skip("managed_fsspec read-back (StorageTarget.open) not on this branch yet")
-    t = ManagedFsspecTarget(parse_profiles({"profiles": {"p": {"url": f"file://{tmp_path}", "allowed_prefixes": ["runs/"]}}}))
-    enc = make()
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / "a.gart").write_bytes(enc.data)
-    res = ld.load_batch([receipt(enc, "p:runs/a.gart"), "p:runs/missing.gart"], t, layout="raw")
-    assert res.items[0].data == ld.raw(fmt.decode(enc.data)).data
-    assert [(e.index, e.check) for e in res.errors] == [(1, "fetch")]
-
-
 # ------------------------------------------------------------------------------------ multi-turn
 
 

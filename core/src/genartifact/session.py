@@ -313,11 +313,13 @@ class ArtifactSession:
                 code = "target_invalid" if isinstance(e, TargetError) else e.code
                 code = code if code in ERROR_MESSAGES else "delivery_failed"
                 log.warning("artifact_delivery_failed", error_code=code, target_kind=self.request.target_kind)
-                if did is not None:
-                    await asyncio.to_thread(self.journal.outcome, did, "failed", code)  # type: ignore[union-attr]
+                await self._journal_outcome(did, "failed", code)
                 return failed_receipt(self.request, code)
-            if did is not None:
-                await asyncio.to_thread(self.journal.outcome, did, "ready")  # type: ignore[union-attr]
+            except BaseException:
+                # cancelled or crashed mid-upload: the object may or may not have landed (reconcile judges it)
+                await asyncio.shield(self._journal_outcome(did, "interrupted"))
+                raise
+            await self._journal_outcome(did, "ready")
             log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
             return {
                 "format": self.request.format,
@@ -335,6 +337,16 @@ class ArtifactSession:
             return failed_receipt(self.request, "internal_error")
         finally:
             sem.release()
+
+    async def _journal_outcome(self, did: str | None, state: str, code: str | None = None) -> None:
+        """Journal an outcome; a journal that cannot be written (ENOSPC...) never changes the receipt: the
+        object's fate is already decided, and reconcile will see the intent without this outcome."""
+        if did is None or self.journal is None:
+            return
+        try:
+            await asyncio.to_thread(self.journal.outcome, did, state, code)
+        except OSError as e:
+            log.error("journal_outcome_not_written", state=state, errno=e.errno)
 
     async def aclose(self, engine: Any = None) -> None:
         """Release engine-side state (producers' optional ``discard(engine)``), then :meth:`release`."""

@@ -204,7 +204,10 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config
 
 def run_generate_cli(args: argparse.Namespace) -> int:
     """Entry point of ``genartifact generate``; exit code 1 if any receipt is not ready."""
+    from genartifact.engine.engine_args import command_engine_kwargs
+
     cfg = config_mod.load(args.config)
+    kwargs = command_engine_kwargs(cfg, args)  # vLLM's engine arguments: [engine] table, then the command line
     prompts = read_prompts(args.prompts)
     contents = [c.strip() for c in args.contents.split(",")] if args.contents else list(cfg.plugins["contents"])
     if not contents:
@@ -229,9 +232,6 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     if not os.access(out.parent, os.W_OK):
         raise RequestSpecError(f"receipts directory {str(out.parent)!r} is not writable")
     max_decoded_bytes(), pipeline_concurrency()  # environment limits fail now, not after inference
-    kwargs: dict[str, Any] = {"max_model_len": args.max_model_len, "seed": args.seed}
-    if args.max_num_batched_tokens:
-        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     t0 = time.perf_counter()
     receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
                                         target=args.target, max_tokens=args.max_tokens, run_id=run_id,

@@ -157,6 +157,10 @@ class Server:
             raise RequestSpecError(f"n={n!r} unsupported; allowed: 1 (one choice per request)")
         return s
 
+    def max_model_len(self) -> int:
+        """The engine's context length in tokens (as vLLM's ``/v1/models`` reports it)."""
+        return int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
+
     def tokenize_check(self, text: str, what: str) -> None:
         max_len = int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
         if len(text) > max_len * CHARS_PER_TOKEN_CAP:
@@ -271,7 +275,9 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "genartifact"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "genartifact",
+                                           "root": model_name, "parent": None,
+                                           "max_model_len": state["s"].max_model_len()}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -428,13 +434,17 @@ def run_serve_cli(args: Any) -> int:
     host = PluginHost(cfg.plugins)
     from genartifact.engine.job import check_target_tables
 
+    from genartifact.engine.engine_args import command_engine_kwargs
+
     check_target_tables(cfg, host)
     pipeline_concurrency()
+    kwargs = command_engine_kwargs(cfg, args)  # vLLM's engine arguments: [engine] table, then the command line
+    names = kwargs.get("served_model_name") or [args.model]  # as vLLM: the first name is the one responses carry
+    names = [names] if isinstance(names, str) else list(names)
 
     async def factory() -> VllmEngine:
-        kwargs: dict[str, Any] = {"max_model_len": args.max_model_len, "seed": args.seed}
         return await VllmEngine(host, args.model, **kwargs).start()
 
-    app = create_app(factory, cfg, args.served_model_name or args.model, drain_s=args.drain_s)
+    app = create_app(factory, cfg, names[0], drain_s=args.drain_s)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.drain_s))
     return 0

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 from typing import Any
 
+from genartifact.engine.engine_args import accept_engine_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_cmd", required=True)
@@ -20,8 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--port-base", type=int, default=20380)
     r.add_argument("--max-points", type=int, default=24)
-    r.add_argument("--max-model-len", type=int, default=2048)
-    r.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    accept_engine_args(r)  # vLLM's own engine arguments (default here: --max-num-batched-tokens 1024)
     m = sub.add_parser("merge", help="merge rank artifacts (identity checks) into one merged artifact + sidecar")
     m.add_argument("ranks", nargs="+", help="rank artifact files")
     m.add_argument("--out", required=True, help="merged artifact path (must not exist)")
@@ -32,13 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: Any) -> int:
     if args.bench_cmd == "run":
+        from genartifact import config as config_mod
+        from genartifact.engine.engine_args import command_engine_kwargs
         from genartifact_fpm_bench.run import run_rank
 
+        engine_kwargs = {"max_num_batched_tokens": 1024,
+                         **command_engine_kwargs(config_mod.load(getattr(args, "config", None)), args)}
         path = asyncio.run(run_rank(model=args.model, mode=args.mode, out_dir=args.out, rank=args.dp_rank,
                                     dp_size=args.dp_size, run_id=args.run_id, points_file=args.points,
                                     repeats=args.repeats, port_base=args.port_base, max_points=args.max_points,
-                                    engine_kwargs={"max_model_len": args.max_model_len,
-                                                   "max_num_batched_tokens": args.max_num_batched_tokens}))
+                                    engine_kwargs=engine_kwargs))
         print(f"rank artifact: {path}")
     elif args.bench_cmd == "merge":
         from genartifact_fpm_bench.artifact import merge

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 import httpx
 import pluggy
 import structlog
-from genartifact.errors import ConfigError, DeliveryError, TargetError
+from genartifact.errors import ConfigError, DeliveryError, TargetError, TargetNotReadableError
 from genartifact.format import MAX_DECODED_BYTES, encoded_size_bound
 from genartifact.types import ValidatedTarget
 
@@ -340,6 +340,21 @@ class PresignedHttpPutTarget:
         except TimeoutError:
             raise DeliveryError("presigned artifact PUT timed out", "timeout") from None
         return g.object_id
+
+    async def open(self, object_id: str, max_bytes: int) -> bytes:
+        """Not offered: a presigned PUT grant is write-only. Raises :class:`TargetNotReadableError`."""
+        raise TargetNotReadableError(
+            "presigned_http_put targets are write-only (the grant allows one PUT); read the object from the store "
+            "that issued the URL")
+
+    async def exists(self, object_id: str) -> bool:
+        """Not offered (write-only grant). Raises :class:`TargetNotReadableError`."""
+        raise TargetNotReadableError("presigned_http_put targets are write-only; existence cannot be checked")
+
+    async def delete(self, object_id: str, sha256: str) -> bool:
+        """Not offered (write-only grant). Raises :class:`TargetNotReadableError`."""
+        raise TargetNotReadableError("presigned_http_put targets are write-only; objects cannot be deleted by "
+                                     "genartifact (the grant's issuer owns the key)")
 
     async def _put(self, g: Grant, data: bytes) -> None:
         s = self.settings

@@ -108,7 +108,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------- comparison
 
 
-def compare(art: fmt.Artifact, oracle: HFOracle, *, tie_tol: float = 1e-3) -> dict[str, Any]:
+def compare(art: fmt.Artifact, oracle: HFOracle, *, tie_tol: float = 0.01) -> dict[str, Any]:
     """Compare one artifact with the oracle. Returns a JSON-ready dict: ``tokens``, ``prompt_tokens``,
     ``layers`` (per router: ``layer``, ``rows``, ``set_agreement``, ``order_agreement``, ``mismatches``,
     ``near_ties``, ``agreement_excl_ties``), ``logprobs`` (``count``, ``max_abs_diff``, ``mean_abs_diff``,
@@ -237,8 +237,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per layer, fraction of rows whose expert sets agree, near ties excluded (default 0.99)")
     parser.add_argument("--max-logprob-diff", type=float, default=0.05,
                         help="largest allowed |stored - teacher-forced| selected logprob, nats (default 0.05)")
-    parser.add_argument("--tie-tol", type=float, default=1e-3,
-                        help="selection-score gap below which a flipped top-k boundary is a near tie (default 1e-3)")
+    parser.add_argument("--tie-tol", type=float, default=0.01,
+                        help="selection-score gap below which a flipped top-k boundary is a near tie (default 0.01)")
     parser.add_argument("--json", dest="json_out", help="write the full JSON report here ('-' = stdout)")
 
 
