@@ -84,8 +84,9 @@ def vllm_parser() -> Any:
 
 
 def _parse(argv: Sequence[str], where: str) -> dict[str, Any]:
-    from vllm.engine.arg_utils import AsyncEngineArgs
     import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
     try:
         ns = vllm_parser().parse_args(list(argv))

@@ -341,7 +341,31 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
         rid = f"{'cmpl' if kind != 'chat' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if stream and kind != "generate":
             return StreamingResponse(sse(srv, prep, kind, rid), media_type="text/event-stream")
-        return await respond(srv, prep, kind, rid, len(ids))
+        return await until_disconnect(request, respond(srv, prep, kind, rid, len(ids)))
+
+    async def until_disconnect(request: Request, work: Any) -> Any:
+        """Run a non-streaming request while watching its connection: a client that hangs up aborts it with
+        the streaming rules (still generating: aborted in vLLM, captures released, nothing stored; upload
+        already started: finishes in the background, journaled). Returns the response, or None (nobody to
+        send it to)."""
+        task = asyncio.ensure_future(work)
+
+        async def hangup() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(hangup())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        state["s"].metrics.requests.labels("client_disconnected", "").inc()
+        return None
 
     async def respond(srv: Server, prep: Any, kind: str, rid: str, n_prompt: int) -> Any:
         result: RequestResult | None = None
@@ -432,9 +456,8 @@ def run_serve_cli(args: Any) -> int:
 
     cfg = config_mod.load(args.config)
     host = PluginHost(cfg.plugins)
-    from genartifact.engine.job import check_target_tables
-
     from genartifact.engine.engine_args import command_engine_kwargs
+    from genartifact.engine.job import check_target_tables
 
     check_target_tables(cfg, host)
     pipeline_concurrency()
