@@ -27,15 +27,16 @@ from genartifact.types import Delta, ModelInfo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def presign(s3, key, expires=600):
-    return s3["client"].generate_presigned_url("put_object", Params={"Bucket": s3["bucket"], "Key": key},
-                                               ExpiresIn=expires)
+def presign(s3, key, expires=600, **params):
+    """A SigV4 presigned PutObject URL that signs ``If-None-Match: *`` (and any extra ``params``)."""
+    return s3["client"].generate_presigned_url("put_object", Params={"Bucket": s3["bucket"], "Key": key,
+                                                                     "IfNoneMatch": "*", **params}, ExpiresIn=expires)
 
 
-def presigned_target(s3, key):
-    return {"kind": "presigned_http_put", "url": presign(s3, key),
+def presigned_target(s3, key, url=None, headers=None):
+    return {"kind": "presigned_http_put", "url": url or presign(s3, key),
             "expires_at": (datetime.now(UTC) + timedelta(minutes=9)).isoformat(), "max_bytes": 1 << 20,
-            "required_headers": {"if-none-match": "*"}, "object_id": f"caller/{key}"}
+            "required_headers": headers or {"if-none-match": "*"}, "object_id": f"caller/{key}"}
 
 
 def settings(s3):
@@ -76,6 +77,37 @@ async def test_presigned_put_to_s3_and_create_only(host, s3_server, tmp_path):
     assert [(d["last_state"], d["last_code"]) for d in journal.deliveries()] == [("ready", None),
                                                                                  ("failed", "object_exists")]
     assert journal.unresolved() == []  # 412: the store kept nothing of the second delivery
+
+
+async def test_real_store_403s_are_classified_by_body(host, s3_server):
+    """SeaweedFS checks SigV4: a tampered signature, a signed header sent with another value, and an expired URL
+    each give 403; the receipt says which (only the expired one is ``expired``). Nothing is stored."""
+    import re
+
+    k1, k2, k3 = (f"presigned/{uuid.uuid4().hex}.gart" for _ in range(3))
+    tampered = re.sub(r"X-Amz-Signature=([0-9a-f])", lambda m: "X-Amz-Signature=" + ("0" if m.group(1) != "0" else "1"),
+                      presign(s3_server, k1))
+    r1 = await session(host, s3_server, presigned_target(s3_server, k1, url=tampered)).finalize()
+    ct = presign(s3_server, k2, ContentType="application/octet-stream")
+    r2 = await session(host, s3_server, presigned_target(
+        s3_server, k2, url=ct, headers={"if-none-match": "*", "content-type": "text/plain"})).finalize()
+    short = presign(s3_server, k3, expires=1)
+    s3 = session(host, s3_server, presigned_target(s3_server, k3, url=short))  # expires_at claims 9 minutes
+    await asyncio.sleep(2.5)
+    r3 = await s3.finalize()
+    assert [r1["error_code"], r2["error_code"], r3["error_code"]] == ["signature_mismatch", "signature_mismatch",
+                                                                     "expired"]
+    for k in (k1, k2, k3):
+        assert "Contents" not in s3_server["client"].list_objects_v2(Bucket="ga-test", Prefix=k)
+
+
+def test_grant_missing_a_signed_header_is_refused_before_inference(host, s3_server):
+    from genartifact.errors import TargetError
+
+    key = f"presigned/{uuid.uuid4().hex}.gart"
+    url = presign(s3_server, key, ContentType="application/octet-stream")
+    with pytest.raises(TargetError, match=r"missing \['content-type'\]"):
+        session(host, s3_server, presigned_target(s3_server, key, url=url))
 
 
 async def test_grant_expiring_after_admission_is_never_sent(host, s3_server):

@@ -41,7 +41,9 @@ ERROR_MESSAGES = {
     "delivery_failed": "generation artifact delivery failed",
     "object_exists": "generation artifact object already exists",
     "timeout": "generation artifact delivery timed out",
-    "expired": "generation artifact grant expired or was refused",
+    "expired": "generation artifact grant expired",
+    "signature_mismatch": "generation artifact upload was refused: the request does not match the URL's signature",
+    "forbidden": "generation artifact upload was refused by the store (403)",
     "redirect_refused": "generation artifact upload was redirected; redirects are not followed",
     "internal_error": "generation artifact failed",
 }

@@ -35,6 +35,7 @@ def main(args: Any) -> int:
     if args.bench_cmd == "run":
         from genartifact import config as config_mod
         from genartifact.engine.engine_args import command_engine_kwargs
+
         from genartifact_fpm_bench.run import run_rank
 
         engine_kwargs = {"max_num_batched_tokens": 1024,
