@@ -228,5 +228,5 @@ def test_taken_fpm_port_is_one_error_line_before_the_engine(tmp_path, capsys):
                    "--port-base", str(port)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
-    assert len(err) == 1 and err[0].startswith("error: FPM port 127.0.0.1:%d is already in use" % port), err
+    assert len(err) == 1 and err[0].startswith(f"error: FPM port 127.0.0.1:{port} is already in use"), err
     assert "--port-base" in err[0]
