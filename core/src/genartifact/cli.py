@@ -372,8 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KIND:PROFILE shorthand for managed_fsspec, or a JSON target object")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default=None,
-                   help="receipts.jsonl path, must not exist (default: artifacts/runs/<run-id>/receipts.jsonl)")
+                   help="receipts.jsonl path, must not exist unless --resume (default: artifacts/runs/<run-id>/receipts.jsonl)")
     p.add_argument("--run-id", default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run --run-id/--out: rerun only rows without a ready receipt (objects already "
+                        "stored with the journaled SHA-256 are recognised by read-back)")
     accept_engine_args(p)  # plus vLLM's own engine arguments (parsed lazily: genartifact.engine.engine_args)
     p = add("serve", cmd_serve, "OpenAI-compatible + token-in/out HTTP server; requests may ask for artifacts")
     p.add_argument("--model", required=True, help="local model directory")

@@ -75,8 +75,12 @@ def encoded_size_bound(decoded_bytes: int) -> int:
 
 
 def canonical_json(obj: Any) -> bytes:
-    """Canonical manifest bytes: sorted keys, no whitespace, ASCII only, no NaN/Infinity."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    """Canonical manifest bytes: sorted keys, no whitespace, ASCII only, no NaN/Infinity.
+    Raises :class:`ArtifactFormatError` for values JSON cannot carry (NaN, infinities, non-JSON types)."""
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ArtifactFormatError(f"manifest value not representable in canonical JSON: {e}") from None
 
 
 def route_dtype_code(max_expert_count: int) -> str:
