@@ -50,7 +50,7 @@ def copy_repo(dst: Path) -> None:
 
 
 def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """(start, end) (row 0-based, col) of every type annotation: with ``from __future__ import annotations``
+    """(start, end) (row 1-based, col) of every type annotation: with ``from __future__ import annotations``
     annotations are never evaluated, so a mutant inside one is equivalent by construction and is not run."""
     import ast
 
@@ -65,7 +65,7 @@ def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]
         elif isinstance(node, ast.AnnAssign):
             anns.append(node.annotation)
         for a in anns:
-            spans.append(((a.lineno - 1, a.col_offset), (a.end_lineno - 1, a.end_col_offset)))
+            spans.append(((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)))  # rows 1-based, as cosmic-ray
     return spans
 
 
@@ -128,8 +128,8 @@ def main() -> int:
                          f"{r['incompetent']} | {len(r['survived'])} | {score:.0%} | {r['seconds']} |")
             print(lines[-1], flush=True)
             for op, row in r["survived"]:
-                src = (work / r["module"]).read_text().splitlines()[row].strip()
-                print(f"    survived: line {row + 1}: {op}: {src[:100]}", flush=True)
+                src = (work / r["module"]).read_text().splitlines()[row - 1].strip()
+                print(f"    survived: line {row}: {op}: {src[:100]}", flush=True)
     (ROOT / "mutation" / "last-report.md").write_text("\n".join(lines) + "\n")
     return 0
 
