@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pluggy
+import structlog
 from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
 from genartifact.format import DTYPES, TensorPart, route_dtype_code
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
@@ -260,6 +261,12 @@ def genartifact_engine_options(options: dict[str, Any]) -> None:
     """Worker path: route capture cannot see prefix-cached tokens, so prefix caching is turned off unless
     the engine returns routes natively."""
     if not options.get("enable_return_routed_experts"):
+        if options.get("enable_prefix_caching"):
+            structlog.get_logger("genartifact.route_capture").warning(
+                "prefix_caching_disabled", option="enable_prefix_caching",
+                reason="moe_routes worker capture never sees prefix-cached tokens (they are not recomputed); "
+                       "keep prefix caching with an engine that returns routes natively "
+                       "(enable_return_routed_experts=True)")
         options["enable_prefix_caching"] = False
 
 
