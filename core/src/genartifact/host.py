@@ -103,14 +103,16 @@ class Hooks:
     def content_producer(self, name: str, model: Any) -> Any:
         return self._pm.hook.genartifact_content_producer(name=name, model=model)
 
-    def engine_options(self, options: dict[str, Any]) -> None:
-        self._pm.hook.genartifact_engine_options(options=options)
+    def engine_options(self, options: dict[str, Any], worker_capture: bool = False) -> None:
+        self._pm.hook.genartifact_engine_options(options=options, worker_capture=worker_capture)
 
     def storage_target(self, kind: str, settings: Mapping[str, Any]) -> Any:
         return self._pm.hook.genartifact_storage_target(kind=kind, settings=settings)
 
-    def worker_init(self, worker: Any) -> None:
-        self._pm.hook.genartifact_worker_init(worker=worker)
+    def worker_captures(self, worker: Any, settings: Mapping[str, Any]) -> list[Any]:
+        """The enabled content plugins' worker captures (None results dropped; each capture is independent, so
+        their order carries no meaning)."""
+        return list(self._pm.hook.genartifact_worker_capture(worker=worker, settings=settings))
 
     def worker_call(self, worker: Any, method: str, args: list[Any]) -> Any:
         return self._pm.hook.genartifact_worker_call(worker=worker, method=method, args=args)
