@@ -47,14 +47,20 @@ def test_crash_leaves_orphan_that_reconcile_lists_and_deletes(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[plugins]\ntargets = ["managed_fsspec"]\n[targets.managed_fsspec.profiles.local]\n'
                    f'url = "{root}"\nallowed_prefixes = ["runs/"]\n[journal]\npath = "{journal}"\n')
-    assert main(["reconcile", "--config", str(cfg), "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [(r["status"], r["object_id"], r["last_state"]) for r in rows] == [("orphan", "local:runs/crash.gart", None)]
+    assert main(["reconcile", "--config", str(cfg), "--json"]) == 0  # default age guard: still in flight
+    rows = json.loads(capsys.readouterr().out)["deliveries"]
+    assert [(r["status"], r["object_id"]) for r in rows] == [("in_flight", "local:runs/crash.gart")]
     assert main(["reconcile", "--config", str(cfg), "--delete", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["status"] == "deleted"
+    assert json.loads(capsys.readouterr().out)["deliveries"][0]["status"] == "in_flight"
+    assert (root / "runs/crash.gart").exists()  # the age guard protects an upload that may still be running
+    assert main(["reconcile", "--config", str(cfg), "--json", "--older-than", "0"]) == 0
+    rows = json.loads(capsys.readouterr().out)["deliveries"]
+    assert [(r["status"], r["object_id"], r["last_state"]) for r in rows] == [("orphan", "local:runs/crash.gart", None)]
+    assert main(["reconcile", "--config", str(cfg), "--delete", "--json", "--older-than", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["deliveries"][0]["status"] == "deleted"
     assert not (root / "runs/crash.gart").exists()
-    assert main(["reconcile", "--config", str(cfg), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == []
+    assert main(["reconcile", "--config", str(cfg), "--json", "--older-than", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["deliveries"] == []
 
 
 def test_foreign_object_is_never_deleted(tmp_path, capsys):
@@ -68,8 +74,12 @@ def test_foreign_object_is_never_deleted(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[targets.managed_fsspec.profiles.local]\nurl = "{root}"\nallowed_prefixes = ["runs/"]\n'
                    f'[journal]\npath = "{jpath}"\n')
-    assert main(["reconcile", "--config", str(cfg), "--delete", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["status"] == "foreign"
+    assert main(["reconcile", "--config", str(cfg), "--delete", "--json", "--older-than", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["deliveries"] == []  # object_exists: nothing of ours was stored
+    did = j.intent(kind="managed_fsspec", object_id="local:runs/x.gart", ref={"profile": "local", "key": "runs/x.gart"},
+                   sha256="0" * 64, byte_count=3)  # a crash: no outcome at all
+    assert main(["reconcile", "--config", str(cfg), "--delete", "--json", "--older-than", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["deliveries"][0]["status"] == "foreign"
     assert (root / "runs/x.gart").read_bytes() == b"someone else's bytes"
 
 
@@ -81,3 +91,126 @@ def test_journal_never_holds_secrets_and_survives_torn_last_line(tmp_path):
         f.write('{"event": "outc')  # crash mid-append
     (row,) = j.unresolved()
     assert row["ref"] == {"host": "bucket.example.com"} and row["last_state"] is None
+
+
+def _cfg(tmp_path, root, jpath):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[targets.managed_fsspec.profiles.local]\nurl = "{root}"\nallowed_prefixes = ["runs/"]\n'
+                   f'[journal]\npath = "{jpath}"\n')
+    return str(cfg)
+
+
+def _store(root, key, data):
+    import hashlib
+
+    (root / key).parent.mkdir(parents=True, exist_ok=True)
+    (root / key).write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _reconcile(capsys, cfg, *extra):
+    assert main(["reconcile", "--config", cfg, "--json", "--older-than", "0", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_duplicate_request_never_deletes_the_first_ready_object(tmp_path, capsys):
+    """Issue 10 case 1: two identical requests -> first ready, second object_exists; reconcile --delete must
+    keep the first request's object (identical bytes)."""
+    root, jpath = tmp_path / "store", tmp_path / "j.jsonl"
+    sha = _store(root, "runs/same.gart", b"identical artifact bytes")
+    j = DeliveryJournal(jpath)
+    ref = {"profile": "local", "key": "runs/same.gart"}
+    first = j.intent(kind="managed_fsspec", object_id="local:runs/same.gart", ref=ref, sha256=sha, byte_count=24)
+    second = j.intent(kind="managed_fsspec", object_id="local:runs/same.gart", ref=ref, sha256=sha, byte_count=24)
+    assert first != second  # each delivery has its own id
+    j.outcome(first, "ready")
+    j.outcome(second, "failed", "object_exists")
+    cfg = _cfg(tmp_path, root, jpath)
+    assert _reconcile(capsys, cfg, "--delete")["deliveries"] == []
+    assert (root / "runs/same.gart").exists()
+    # the second one crashed instead (no outcome): still vouched by the first's ready outcome
+    third = j.intent(kind="managed_fsspec", object_id="local:runs/same.gart", ref=ref, sha256=sha, byte_count=24)
+    out = _reconcile(capsys, cfg, "--delete")["deliveries"]
+    assert [(r["id"], r["status"]) for r in out] == [(third, "vouched")]
+    assert (root / "runs/same.gart").exists()
+    assert _reconcile(capsys, cfg)["deliveries"] == []  # verdict journaled
+
+
+def test_rerun_with_same_run_id_keeps_earlier_runs_objects(tmp_path, capsys):
+    """A re-run journal (earlier run ready, re-run failed with timeout = ambiguous) plus a ready receipt file
+    from a run whose journal was lost: nothing vouched for is an orphan."""
+    root, jpath = tmp_path / "store", tmp_path / "j.jsonl"
+    j = DeliveryJournal(jpath)
+    shas = {}
+    for i in range(3):
+        key = f"runs/r/{i:04d}.gart"
+        shas[i] = _store(root, key, b"row %d" % i)
+        ref = {"profile": "local", "key": key}
+        if i < 2:  # journaled ready in run 1
+            j.outcome(j.intent(kind="managed_fsspec", object_id=f"local:{key}", ref=ref, sha256=shas[i],
+                               byte_count=5), "ready")
+        j.outcome(j.intent(kind="managed_fsspec", object_id=f"local:{key}", ref=ref, sha256=shas[i], byte_count=5),
+                  "failed", "timeout")  # run 2: ambiguous failure
+    receipts = tmp_path / "receipts.jsonl"
+    receipts.write_text(json.dumps({"row": 2, "generation_artifact": {"state": "ready", "object_id":
+                                    "local:runs/r/0002.gart", "sha256": shas[2]}}) + "\n")
+    cfg = _cfg(tmp_path, root, jpath)
+    out = _reconcile(capsys, cfg, "--delete", "--receipts", str(receipts))["deliveries"]
+    assert sorted(r["status"] for r in out) == ["vouched"] * 3
+    assert all((root / f"runs/r/{i:04d}.gart").exists() for i in range(3))
+
+
+def test_age_guard_keeps_in_flight_upload(tmp_path, capsys):
+    root, jpath = tmp_path / "store", tmp_path / "j.jsonl"
+    j = DeliveryJournal(jpath)
+    j.intent(kind="managed_fsspec", object_id="local:runs/slow.gart", ref={}, sha256="1" * 64, byte_count=3)
+    cfg = _cfg(tmp_path, root, jpath)
+    assert main(["reconcile", "--config", cfg, "--json", "--delete"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["deliveries"]
+    assert row["status"] == "in_flight"  # not "absent": it may land any second
+    sha = _store(root, "runs/slow.gart", b"abc")  # ... and it lands
+    assert sha != "1" * 64
+    assert main(["reconcile", "--config", cfg, "--older-than", "-1"]) == 2  # bad guard value: error, exit 2
+
+
+def test_outcome_for_every_intent_and_ambiguous_codes(tmp_path):
+    from genartifact.journal import NOT_STORED_CODES
+
+    j = DeliveryJournal(tmp_path / "j.jsonl")
+    ids = {code: j.intent(kind="k", object_id=code, ref={}, sha256="0" * 64, byte_count=1)
+           for code in ("object_exists", "expired", "timeout", "delivery_failed")}
+    for code, did in ids.items():
+        j.outcome(did, "failed", code)
+    crashed = j.intent(kind="k", object_id="crashed", ref={}, sha256="0" * 64, byte_count=1)
+    interrupted = j.intent(kind="k", object_id="cancelled", ref={}, sha256="0" * 64, byte_count=1)
+    j.outcome(interrupted, "interrupted")
+    left = {d["object_id"] for d in j.unresolved()}
+    assert left == {"timeout", "delivery_failed", "crashed", "cancelled"}
+    assert {"object_exists", "expired"} <= NOT_STORED_CODES and crashed
+
+
+def test_reconcile_reports_and_removes_crash_temp_files(tmp_path, capsys):
+    import os
+
+    root, jpath = tmp_path / "store", tmp_path / "j.jsonl"
+    (root / "runs").mkdir(parents=True)
+    tmp = root / "runs/.genartifact-tmp-crashed"
+    tmp.write_bytes(b"half an artifact")
+    os.utime(tmp, (1, 1))
+    cfg = _cfg(tmp_path, root, jpath)
+    out = _reconcile(capsys, cfg)
+    assert [(x["status"], x["path"]) for x in out["leftovers"]] == [("leftover", str(tmp))]
+    assert tmp.exists()
+    out = _reconcile(capsys, cfg, "--delete")
+    assert [x["status"] for x in out["leftovers"]] == ["removed"] and not tmp.exists()
+
+
+def test_presigned_deliveries_are_unverifiable_not_deleted(tmp_path, capsys):
+    jpath = tmp_path / "j.jsonl"
+    j = DeliveryJournal(jpath)
+    j.intent(kind="presigned_http_put", object_id="caller-id", ref={"host": "b.example.com"}, sha256="a" * 64,
+             byte_count=1)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[targets.presigned_http_put]\nallowed_hosts = ["b.example.com"]\n[journal]\npath = "{jpath}"\n')
+    out = _reconcile(capsys, str(cfg), "--delete")["deliveries"]
+    assert [r["status"] for r in out] == ["unverifiable"]

@@ -48,7 +48,8 @@ path = "{root}/journal.jsonl"
     port = free_port()
     env = {**os.environ, "GENARTIFACT_PIPELINE_CONCURRENCY": "2"}
     proc = subprocess.Popen([sys.executable, "-m", "genartifact.cli", "serve", "--model", str(qwen_model), "--config",
-                             str(cfg), "--port", str(port), "--served-model-name", "tiny", "--drain-s", "10"],
+                             str(cfg), "--port", str(port), "--served-model-name", "tiny", "--drain-s", "10",
+                             "--max_model_len", "2k", "--max-num-seqs", "8"],  # vLLM engine arguments, as vllm serve
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -121,6 +122,7 @@ def test_openai_completions_and_chat(server):
     plain = client.completions.create(model="tiny", prompt="hello", max_tokens=3)
     assert "generation_artifact" not in (plain.model_extra or {})
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.list().data[0].model_extra["max_model_len"] == 2000  # "2k", parsed as vllm serve does
 
 
 def test_generate_token_ids_and_logprobs_align_with_artifact(server):
@@ -216,6 +218,26 @@ def test_client_disconnect_mid_stream_leaks_nothing(server):
         time.sleep(0.2)
     m = metrics(server)
     assert m["genartifact_inflight_requests"] == 0 and m["genartifact_pipeline_slots_in_use"] == 0
+
+
+def test_client_disconnect_non_streaming_aborts_and_stores_nothing(server):
+    """Issue 10 case 4: a non-streaming client that hangs up mid-generation aborts its request (same rules as
+    streaming): nothing is stored at its key, no slot or capture is held."""
+    art = artifact()
+    key = art["delivery"]["target"]["object_key"]
+    before = metrics(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server['base']}/v1/completions", json={"prompt": "x", "max_tokens": 1900, "ignore_eos": True,
+                                                             "generation_artifact": art}, timeout=httpx.Timeout(5, read=0.5))
+    deadline = time.time() + 20
+    while time.time() < deadline and metrics(server)["genartifact_inflight_requests"] > 0:
+        time.sleep(0.2)
+    m = metrics(server)
+    assert m["genartifact_inflight_requests"] == 0 and m["genartifact_pipeline_slots_in_use"] == 0
+    time.sleep(1.0)
+    assert not (server["root"] / "store" / key).exists()  # aborted before any upload
+    assert m.get('genartifact_requests_total{outcome="client_disconnected",reason=""}', 0) > \
+        before.get('genartifact_requests_total{outcome="client_disconnected",reason=""}', 0)
 
 
 def test_32_concurrent_streaming_clients(server):

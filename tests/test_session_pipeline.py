@@ -225,7 +225,7 @@ def test_admission_worst_case_routes_large_model(host):
     assert 48 * 8 * 40959 < s.budget < 64 << 20
 
 
-@pytest.mark.parametrize("start", [-1, True, 1.5])
+@pytest.mark.parametrize("start", [-1, True, 1.5, 4, 10**6, 2**63])
 def test_invalid_routes_start(host, start):
     with pytest.raises(AdmissionError, match="routed_experts_prompt_start"):
         session(host, spec(["moe_routes"])).admit(3, 4, routes_start=start)
@@ -451,3 +451,18 @@ async def test_worker_logprob_source_aligns_by_position_and_token(host, monkeypa
     if state == "ready":
         art = fmt.decode(fsspec.open(f"memory://ga-test/{r['object_id'].split(':', 1)[1]}", "rb").open().read())
         assert art.selected_logprobs().tolist() == [-0.5, float("-inf")]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_sampling_values_are_refused_by_name(host, bad):
+    with pytest.raises(AdmissionError, match="sampling temperature="):
+        session(host, spec()).admit(3, 4, sampling={"temperature": bad})
+
+
+def test_encoder_raises_format_error_for_non_json_values():
+    from genartifact import format as fmt
+    from genartifact.errors import ArtifactFormatError
+
+    for bad in ({"x": float("nan")}, {"x": object()}, {"x": float("inf")}):
+        with pytest.raises(ArtifactFormatError, match="canonical JSON"):
+            fmt.canonical_json(bad)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from genartifact import config as config_mod
+from genartifact.engine.engine_args import accept_engine_args, takes_engine_args
 from genartifact.errors import GenartifactError
 from genartifact.logging import configure_logging
 
@@ -207,46 +207,111 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
-    """List journaled uploads without a ready receipt; with ``--delete`` remove such objects from managed
-    profiles when their bytes match the journaled SHA-256 (never someone else's object)."""
-    from genartifact.journal import DeliveryJournal
+    """Judge journaled deliveries that have no proven outcome, dispatching on the target kind each intent
+    records (the target's ``exists``/``open``/``delete`` read-back protocol), and report crash leftovers.
 
+    Never touches an object that a ``ready`` journal outcome or ready receipt (``--receipts``) vouches for, nor
+    one whose bytes differ from the journaled SHA-256, nor any delivery younger than ``--older-than`` seconds.
+    With ``--delete``: orphans are removed by the target's conditional delete (only if the bytes still hash to
+    the journaled SHA-256), verdicts are journaled, and temp-file leftovers older than the guard are removed."""
+    import asyncio
+    import time
+
+    from genartifact.errors import ObjectTooLargeError, TargetNotReadableError
+    from genartifact.host import PluginHost
+    from genartifact.journal import DeliveryJournal, split_by_age, vouchers
+
+    if not (args.older_than >= 0):
+        raise GenartifactError(f"--older-than={args.older_than}; allowed: seconds >= 0")
     cfg = config_mod.load(args.config)
     journal = DeliveryJournal(args.journal) if args.journal else cfg.journal()
     if journal is None:
         raise GenartifactError("no journal: pass --journal PATH or set [journal].path in the config")
-    profiles: dict[str, Any] = {}
-    if "managed_fsspec" in cfg.targets or os.environ.get("GENARTIFACT_STORAGE_PROFILES"):
-        from genartifact_fsspec_target import parse_profiles
+    receipts: list[dict[str, Any]] = []
+    for path in args.receipts or []:
+        try:
+            with open(path, encoding="utf-8", newline="") as f:
+                for line in f.read().split("\n"):
+                    if line.strip():
+                        rec = json.loads(line)
+                        receipts.append(rec.get("generation_artifact", rec) if isinstance(rec, dict) else {})
+        except (OSError, ValueError) as e:
+            raise GenartifactError(f"--receipts {path!r} cannot be read: {type(e).__name__}") from None
+    deliveries = journal.deliveries()
+    vouched = vouchers(deliveries, receipts)
+    old, young = split_by_age(journal.unresolved(), args.older_than)
+    kinds = sorted({d["kind"] for d in old} | set(cfg.targets))
+    settings = cfg.target_settings()
+    targets: dict[str, Any] = {}
+    for kind in kinds:
+        try:
+            host = PluginHost({"targets": [kind]})
+            targets[kind] = host.hooks.storage_target(kind=kind, settings=settings.get(kind, {}))
+        except GenartifactError:
+            targets[kind] = None  # kind not installed: its deliveries stay unverifiable
+    now = time.time()
 
-        profiles = parse_profiles(cfg.targets.get("managed_fsspec", {}), cfg.base_dir)
-    rows = []
-    for rec in journal.unresolved():
-        row = {"id": rec["id"], "kind": rec["kind"], "object_id": rec["object_id"], "last_state": rec["last_state"],
-               "sha256": rec["sha256"], "status": "unverifiable"}
-        prof = profiles.get(rec.get("ref", {}).get("profile")) if rec["kind"] == "managed_fsspec" else None
-        if prof is not None:
-            from genartifact_fsspec_target import delete_object, object_exists, open_object
-
-            key = rec["ref"]["key"]
-            if not object_exists(prof, key):
-                row["status"] = "absent"
-            elif hashlib.sha256(open_object(prof, key)).hexdigest() != rec["sha256"]:
-                row["status"] = "foreign"  # not our bytes: never touched
+    async def judge() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        rows = [{"id": d["id"], "kind": d["kind"], "object_id": d["object_id"], "last_state": d["last_state"],
+                 "last_code": d.get("last_code"), "sha256": d["sha256"], "age_s": round(now - d["t"], 1),
+                 "status": "in_flight"} for d in young]
+        for d in old:
+            row = {"id": d["id"], "kind": d["kind"], "object_id": d["object_id"], "last_state": d["last_state"],
+                   "last_code": d.get("last_code"), "sha256": d["sha256"], "age_s": round(now - d["t"], 1)}
+            target = targets.get(d["kind"])
+            if d["sha256"] in vouched.get(d["object_id"], set()):
+                row["status"] = "vouched"  # a ready delivery/receipt names exactly these bytes at this id
+            elif target is None or not hasattr(target, "exists"):
+                row["status"] = "unverifiable"
             else:
-                row["status"] = "orphan"
-            if args.delete and row["status"] in ("orphan", "absent"):
-                if row["status"] == "orphan":
-                    delete_object(prof, key)
-                    row["status"] = "deleted"
-                journal.outcome(rec["id"], row["status"])
-        rows.append(row)
+                try:
+                    if not await target.exists(d["object_id"]):
+                        row["status"] = "absent"
+                    else:
+                        try:
+                            data = await target.open(d["object_id"], int(d.get("byte_count", 0)))
+                            same = hashlib.sha256(data).hexdigest() == d["sha256"]
+                        except ObjectTooLargeError:
+                            same = False
+                        if not same:
+                            row["status"] = "foreign"  # not our bytes: never touched
+                        elif vouched.get(d["object_id"]):
+                            row["status"] = "vouched"
+                        else:
+                            row["status"] = "orphan"
+                except TargetNotReadableError:
+                    row["status"] = "unverifiable"
+                except GenartifactError as e:
+                    row["status"], row["detail"] = "unverifiable", _safe(e)
+                if args.delete and row["status"] == "orphan":
+                    if await target.delete(d["object_id"], d["sha256"]):
+                        row["status"] = "deleted"
+            if args.delete and row["status"] in ("deleted", "absent", "vouched", "foreign"):
+                journal.outcome(d["id"], row["status"])
+            rows.append(row)
+        left: list[dict[str, Any]] = []
+        for kind, target in targets.items():
+            if target is not None and hasattr(target, "leftovers"):
+                for item in await target.leftovers(args.older_than):
+                    item = {"kind": kind, **item, "status": "leftover"}
+                    if args.delete and await target.remove_leftover(item):
+                        item["status"] = "removed"
+                    left.append(item)
+        return rows, left
+
+    rows, left = asyncio.run(judge())
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"deliveries": rows, "leftovers": left}, indent=2))
     else:
         for r in rows:
-            print(f"{r['status']:12} {r['kind']:20} {r['object_id']}  (last state: {r['last_state']})")
-        print(f"{len(rows)} unresolved deliveries")
+            code = f", {r['last_code']}" if r.get("last_code") else ""
+            print(f"{r['status']:12} {r['kind']:20} {_safe(r['object_id'])}  (last state: {r['last_state']}{code}; "
+                  f"age {r['age_s']:.0f} s)")
+        for item in left:
+            print(f"{item['status']:12} {item['kind']:20} {_safe(item['path'])}  (temp file, {item['bytes']} bytes, "
+                  f"age {item['age_s']:.0f} s)")
+        print(f"{len(rows)} unresolved deliveries, {len(left)} temp-file leftovers "
+              f"(age guard: older than {args.older_than:g} s)")
     return 0
 
 
@@ -285,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
+        p = sub.add_parser(name, help=help, allow_abbrev=False)  # vLLM engine args must never match by prefix
         p.set_defaults(fn=fn)
         p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
         return p
@@ -307,19 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KIND:PROFILE shorthand for managed_fsspec, or a JSON target object")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default=None,
-                   help="receipts.jsonl path, must not exist (default: artifacts/runs/<run-id>/receipts.jsonl)")
+                   help="receipts.jsonl path, must not exist unless --resume (default: artifacts/runs/<run-id>/receipts.jsonl)")
     p.add_argument("--run-id", default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run --run-id/--out: rerun only rows without a ready receipt (objects already "
+                        "stored with the journaled SHA-256 are recognised by read-back)")
+    accept_engine_args(p)  # plus vLLM's own engine arguments (parsed lazily: genartifact.engine.engine_args)
     p = add("serve", cmd_serve, "OpenAI-compatible + token-in/out HTTP server; requests may ask for artifacts")
     p.add_argument("--model", required=True, help="local model directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-s", type=float, default=30.0, help="graceful shutdown: wait this long for deliveries")
+    accept_engine_args(p)
     try:  # the FPM self-benchmark ships as its own distribution
         from genartifact_fpm_bench.cli import add_arguments as bench_arguments
     except ImportError:
@@ -329,8 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
         bench_arguments(p)
     p = add("reconcile", cmd_reconcile, "list uploads without a ready receipt (crash leftovers); --delete removes them")
     p.add_argument("--journal", help="journal path (default: [journal].path of the config)")
-    p.add_argument("--delete", action="store_true", help="delete orphans from managed profiles (bytes must match)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--delete", action="store_true",
+                   help="delete orphans (conditional: bytes must still match) and temp-file leftovers")
+    p.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
+                   help="age guard: judge only deliveries/temp files older than this (default 3600 s; an upload "
+                        "may still be in flight)")
+    p.add_argument("--receipts", action="append", metavar="JSONL",
+                   help="receipts file(s) whose ready receipts also vouch for objects (repeatable)")
+    p.add_argument("--json", action="store_true", help='print {"deliveries": [...], "leftovers": [...]}')
     p = add("make-tiny-model", cmd_make_tiny_model, "build a deterministic tiny MoE checkpoint")
     p.add_argument("out")
     p.add_argument("--family", choices=["qwen3_moe", "qwen3_moe_small", "deepseek"], default="qwen3_moe")
@@ -339,7 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra and not takes_engine_args(args):
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.engine_argv = extra  # vLLM engine arguments, parsed by the engine command (engine_args.engine_kwargs)
     configure_logging(json_lines=args.log_json)
     try:
         return int(args.fn(args) or 0)

@@ -42,6 +42,8 @@ class Config:
     base_dir: Path = field(default_factory=Path.cwd)
     source: str = "<embedded default>"
     journal_path: Path | None = None
+    #: the ``[engine]`` table: vLLM engine arguments (see :mod:`genartifact.engine.engine_args`), unparsed here
+    engine: dict[str, Any] = field(default_factory=dict)
 
     def target_settings(self) -> dict[str, dict[str, Any]]:
         """Per target kind its settings table, with ``base_dir`` added for resolving relative paths."""
@@ -61,9 +63,13 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
-    extra = set(data) - {"plugins", "targets", "journal"}
+    extra = set(data) - {"plugins", "targets", "journal", "engine"}
     if extra:
-        raise ConfigError(f"{source}: unknown top-level key(s) {sorted(extra)}; allowed: ['journal', 'plugins', 'targets']")
+        raise ConfigError(f"{source}: unknown top-level key(s) {sorted(extra)}; "
+                          "allowed: ['engine', 'journal', 'plugins', 'targets']")
+    engine = data.get("engine", {})
+    if not isinstance(engine, Mapping):
+        raise ConfigError(f"{source}: [engine] must be a table of vLLM engine arguments")
     journal = data.get("journal", {})
     if not isinstance(journal, Mapping) or set(journal) - {"path"} or not isinstance(journal.get("path", ""), str):
         raise ConfigError(f"{source}: [journal] takes one key, path (string)")
@@ -87,7 +93,7 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
     if not isinstance(targets, Mapping) or not all(isinstance(v, Mapping) for v in targets.values()):
         raise ConfigError(f"{source}: [targets.<kind>] entries must be tables")
     return Config(plugins=plugins, targets={k: dict(v) for k, v in targets.items()}, base_dir=base_dir, source=source,
-                  journal_path=journal_path)
+                  journal_path=journal_path, engine=dict(engine))
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:

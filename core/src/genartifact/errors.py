@@ -28,6 +28,19 @@ class TargetError(GenartifactError, ValueError):
     """A storage target's request fields or settings are invalid (side-effect free validation)."""
 
 
+class TargetNotReadableError(TargetError):
+    """The target kind cannot read, test or delete stored objects (e.g. ``presigned_http_put``: a write-only
+    grant). Raised by ``StorageTarget.open``/``exists``/``delete``."""
+
+
+class ObjectNotFoundError(TargetError, LookupError):
+    """``StorageTarget.open``: no object is stored under the given id."""
+
+
+class ObjectTooLargeError(TargetError):
+    """``StorageTarget.open``/``delete``: the stored object is larger than the caller's ``max_bytes``."""
+
+
 class DeliveryError(GenartifactError):
     """Delivering bytes to storage failed. ``code`` is a stable error code (docs/receipts.md)."""
 

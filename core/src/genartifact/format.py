@@ -75,8 +75,12 @@ def encoded_size_bound(decoded_bytes: int) -> int:
 
 
 def canonical_json(obj: Any) -> bytes:
-    """Canonical manifest bytes: sorted keys, no whitespace, ASCII only, no NaN/Infinity."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    """Canonical manifest bytes: sorted keys, no whitespace, ASCII only, no NaN/Infinity.
+    Raises :class:`ArtifactFormatError` for values JSON cannot carry (NaN, infinities, non-JSON types)."""
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ArtifactFormatError(f"manifest value not representable in canonical JSON: {e}") from None
 
 
 def route_dtype_code(max_expert_count: int) -> str:
@@ -333,19 +337,14 @@ def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | Non
         raise _fail("zstd frame does not declare its content size")
     if size > limit:
         raise _fail(f"declared decoded size {size} exceeds limit {limit}")
+    if size < 4:
+        raise _fail(f"declared decoded size {size} is shorter than the manifest length field")
     if params.dict_id != 0:
         raise _fail("zstd dictionaries are not allowed")
-    dobj = zstandard.ZstdDecompressor().decompressobj()
-    try:
-        body = dobj.decompress(frame)
-    except zstandard.ZstdError as e:
-        raise _fail(f"corrupt zstd frame: {e}") from None
-    if not dobj.eof:
-        raise _fail("truncated zstd frame")
-    if dobj.unused_data:
-        raise _fail(f"{len(dobj.unused_data)} bytes of trailing data after the zstd frame")
-    if len(body) != size:
-        raise _fail(f"decoded {len(body)} bytes but the frame declared {size}")
+    end = _frame_end(frame, params.has_checksum)
+    if end < len(frame):
+        raise _fail(f"{len(frame) - end} bytes of trailing data after the zstd frame")
+    body = _decompress_bounded(frame, size)
     try:
         manifest, payload_start = _parse_manifest(body)
         views = _views(manifest, memoryview(body), payload_start)
@@ -357,6 +356,53 @@ def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | Non
         # as anything but a format error
         raise _fail(f"malformed manifest ({type(e).__name__})") from None
     return Artifact(manifest=manifest, tensors=views, sha256=hashlib.sha256(data).hexdigest(), byte_count=len(data))
+
+
+def _frame_end(frame: bytes, has_checksum: bool) -> int:
+    """Offset just past the zstd frame that starts ``frame``, found by walking its block headers (RFC 8878
+    section 3.1.1.2: 3-byte header = last-block bit, type, size; a RLE block carries 1 byte, raw and compressed
+    blocks carry ``size`` bytes; an optional 4-byte checksum follows the last block). Reads headers only, no
+    decompression. Raises :class:`ArtifactFormatError` for a truncated frame or a reserved block type."""
+    try:
+        pos = zstandard.frame_header_size(frame)
+    except zstandard.ZstdError as e:
+        raise _fail(f"invalid zstd frame header: {e}") from None
+    n = len(frame)
+    while True:
+        if pos + 3 > n:
+            raise _fail("truncated zstd frame")
+        hdr = int.from_bytes(frame[pos : pos + 3], "little")
+        last, btype, bsize = hdr & 1, (hdr >> 1) & 3, hdr >> 3
+        if btype == 3:
+            raise _fail("corrupt zstd frame: reserved block type")
+        if bsize > 128 << 10:
+            raise _fail("corrupt zstd frame: block larger than 128 KiB")
+        pos += 3 + (1 if btype == 1 else bsize)
+        if pos > n:
+            raise _fail("truncated zstd frame")
+        if last:
+            break
+    if has_checksum:
+        pos += 4
+        if pos > n:
+            raise _fail("truncated zstd frame")
+    return pos
+
+
+def _decompress_bounded(frame: bytes, size: int) -> bytes:
+    """Decompress one frame into a buffer of exactly its declared ``size`` bytes (zstd one-shot decompression
+    into a fixed-capacity destination): blocks that hold more than declared fail with "destination buffer is
+    too small" after producing at most ``size`` bytes, so peak memory is ``size`` plus a constant whatever the
+    blocks say (the streaming decoder checks the declared size only at the end of the frame)."""
+    try:
+        body = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
+    except zstandard.ZstdError as e:
+        if "too small" in str(e):
+            raise _fail(f"zstd frame holds more than its declared {size} bytes") from None
+        raise _fail(f"corrupt zstd frame: {e}") from None
+    if len(body) != size:
+        raise _fail(f"decoded {len(body)} bytes but the frame declared {size}")
+    return body
 
 
 _MANIFEST_KEYS = {"format", "version", "prompt_token_count", "completion_token_count", "contents", "header", "sections", "tensors"}

@@ -1,10 +1,17 @@
 """Local delivery journal: an intent line is made durable before every upload, an outcome line after it.
 
-A process that dies between the upload and the receipt leaves an intent without a ``ready`` outcome; the
-``genartifact reconcile`` command lists such objects (and deletes them from managed profiles with
-``--delete``). Lines are JSON, appended with ``O_APPEND`` and fsync'ed. Entries hold only non-secret
-references (profile and key, or the upload host and the caller's opaque object id) — never URLs, query
-strings, header values or credentials.
+Every delivery (one upload attempt sequence of one request) has its own id, even when two requests name the
+same object. An outcome is recorded for every intent: ``ready``; ``failed`` with the receipt's error code;
+``interrupted`` (cancelled or crashed mid-upload, as far as the process could tell). A process that dies
+between the upload and the outcome leaves an intent with no outcome. ``genartifact reconcile`` reads the
+journal (:func:`assess`): it never calls an object an orphan when any ``ready`` outcome or ready receipt
+vouches for that object id, treats outcomes that prove nothing of ours was stored (``object_exists``,
+``expired``... see :data:`NOT_STORED_CODES`) as explained, and leaves deliveries younger than an age guard
+alone (an upload may still be in flight).
+
+Lines are JSON, appended with ``O_APPEND`` and fsync'ed. Entries hold only non-secret references (profile and
+key, or the upload host and the caller's opaque object id) — never URLs, query strings, header values or
+credentials.
 """
 
 from __future__ import annotations
@@ -14,15 +21,28 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from genartifact.errors import ConfigError
 
+# Failure codes after which the store holds nothing written by this delivery: the store refused the write
+# (412 object_exists, 403 expired/signature_mismatch/forbidden, 413 too_large, 3xx redirect_refused) or it was never
+# sent (target_invalid, too_large before sending). delivery_failed/timeout/internal_error are ambiguous.
+NOT_STORED_CODES = frozenset({"object_exists", "expired", "signature_mismatch", "forbidden", "too_large",
+                              "target_invalid",
+                              "redirect_refused", "encode_failed", "capture_invalid"})
+RESOLVED_STATES = frozenset({"ready", "deleted", "absent", "vouched", "foreign"})
+DEFAULT_OLDER_THAN_S = 3600.0
+
 
 class DeliveryJournal:
-    """Append-only JSONL journal at ``path`` (parent directories are created on first write)."""
+    """Append-only JSONL journal at ``path`` (parent directories are created on first write).
+
+    Writes raise ``OSError`` (e.g. ENOSPC) to the caller, which decides what that fails (an intent that cannot
+    be written must stop the upload; an outcome that cannot be written must not undo a stored object)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -34,31 +54,38 @@ class DeliveryJournal:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
-                os.write(fd, line)
+                n = os.write(fd, line)
+                if n != len(line):
+                    raise OSError(28, "short write to the delivery journal")
                 os.fsync(fd)
             finally:
                 os.close(fd)
 
     def intent(self, *, kind: str, object_id: str, ref: Mapping[str, Any], sha256: str, byte_count: int) -> str:
-        """Record an upload about to start; returns the delivery id."""
+        """Record an upload about to start; returns the delivery id (a fresh UUID per delivery)."""
         did = uuid.uuid4().hex
         self._append({"event": "intent", "id": did, "t": time.time(), "kind": kind, "object_id": object_id,
                       "ref": dict(ref), "sha256": sha256, "byte_count": byte_count})
         return did
 
     def outcome(self, delivery_id: str, state: str, error_code: str | None = None) -> None:
-        """Record how delivery ``delivery_id`` ended (``ready``, ``failed``, ``deleted``, ``absent``)."""
+        """Record how delivery ``delivery_id`` ended: ``ready``, ``failed`` (with ``error_code``),
+        ``interrupted``, or a reconcile verdict (``deleted``, ``absent``, ``vouched``, ``foreign``)."""
         self._append({"event": "outcome", "id": delivery_id, "t": time.time(), "state": state,
                       "error_code": error_code})
 
-    def unresolved(self) -> list[dict[str, Any]]:
-        """Intents whose last outcome is not ``ready``/``deleted``/``absent`` (missing or ``failed``), oldest
-        first; each with ``last_state`` (None when the process died before any outcome)."""
+    def deliveries(self) -> list[dict[str, Any]]:
+        """Every intent, oldest first, with ``last_state`` and ``last_code`` of its latest outcome (None when
+        the process died before any). Raises :class:`ConfigError` for a malformed line other than a torn
+        last line (a crash mid-append)."""
         if not self.path.exists():
             return []
         intents: dict[str, dict[str, Any]] = {}
-        last: dict[str, str] = {}
-        lines = self.path.read_text(encoding="utf-8").splitlines()
+        last: dict[str, tuple[str, str | None]] = {}
+        with open(self.path, encoding="utf-8", newline="") as f:
+            lines = f.read().split("\n")
+        while lines and not lines[-1].strip():
+            lines.pop()
         for n, raw in enumerate(lines, 1):
             if not raw.strip():
                 continue
@@ -71,6 +98,53 @@ class DeliveryJournal:
             if rec.get("event") == "intent":
                 intents[rec["id"]] = rec
             elif rec.get("event") == "outcome":
-                last[rec["id"]] = rec["state"]
-        return [{**rec, "last_state": last.get(did)} for did, rec in intents.items()
-                if last.get(did) not in ("ready", "deleted", "absent")]
+                last[rec["id"]] = (rec["state"], rec.get("error_code"))
+        return [{**rec, "last_state": last.get(did, (None, None))[0], "last_code": last.get(did, (None, None))[1]}
+                for did, rec in intents.items()]
+
+    def unresolved(self) -> list[dict[str, Any]]:
+        """Deliveries that may have left an object nobody was told about: no outcome, ``interrupted``, or
+        ``failed`` with an ambiguous code (not in :data:`NOT_STORED_CODES`); oldest first."""
+        return [d for d in self.deliveries() if _needs_check(d)]
+
+
+def _needs_check(d: Mapping[str, Any]) -> bool:
+    state = d.get("last_state")
+    if state in RESOLVED_STATES:
+        return False
+    return not (state == "failed" and d.get("last_code") in NOT_STORED_CODES)
+
+
+@dataclass
+class Assessment:
+    """What reconcile concluded for one unresolved delivery. ``status``: ``in_flight`` (younger than the age
+    guard; untouched), ``vouched`` (a ready outcome/receipt names this object with these bytes: it is good),
+    ``absent``, ``orphan`` (our bytes, no ready receipt), ``foreign`` (other bytes; never touched),
+    ``unverifiable`` (the target cannot read back), ``deleted``."""
+
+    delivery: dict[str, Any]
+    status: str
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def vouchers(deliveries: Iterable[Mapping[str, Any]], receipts: Iterable[Mapping[str, Any]] = ()) -> dict[str, set[str]]:
+    """object id -> SHA-256 digests that a ``ready`` journal outcome or a ready receipt vouches for."""
+    out: dict[str, set[str]] = {}
+    for d in deliveries:
+        if d.get("last_state") == "ready":
+            out.setdefault(d["object_id"], set()).add(d["sha256"])
+    for r in receipts:
+        if r.get("state") == "ready" and isinstance(r.get("object_id"), str) and isinstance(r.get("sha256"), str):
+            out.setdefault(r["object_id"], set()).add(r["sha256"])
+    return out
+
+
+def split_by_age(unresolved: Iterable[dict[str, Any]], older_than_s: float, now: float | None = None
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(old enough to judge, still possibly in flight) by intent time ``t`` (seconds) vs ``older_than_s``."""
+    now = time.time() if now is None else now
+    old, young = [], []
+    for d in unresolved:
+        (old if now - float(d.get("t", now)) >= older_than_s else young).append(d)
+    return old, young

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,9 @@ ERROR_MESSAGES = {
     "delivery_failed": "generation artifact delivery failed",
     "object_exists": "generation artifact object already exists",
     "timeout": "generation artifact delivery timed out",
-    "expired": "generation artifact grant expired or was refused",
+    "expired": "generation artifact grant expired",
+    "signature_mismatch": "generation artifact upload was refused: the request does not match the URL's signature",
+    "forbidden": "generation artifact upload was refused by the store (403)",
     "redirect_refused": "generation artifact upload was redirected; redirects are not followed",
     "internal_error": "generation artifact failed",
 }
@@ -129,8 +132,17 @@ class ArtifactSession:
                 raise AdmissionError(f"{name} must be an integer >= {1 if name == 'max_tokens' else 0}; got {v!r}")
         if isinstance(routes_start, bool) or not isinstance(routes_start, int) or routes_start < 0:
             raise AdmissionError(f"routed_experts_prompt_start must be a non-negative integer; got {routes_start!r}")
+        if routes_start > prompt_token_count:
+            # vLLM's own rule (v1/engine/input_processor.py): 0 <= routed_experts_prompt_start <= prompt length,
+            # else the request is refused; never silently clamped
+            raise AdmissionError(f"routed_experts_prompt_start={routes_start} is beyond the prompt; allowed: 0.."
+                                 f"{prompt_token_count} (the prompt length, inclusive, as vLLM requires)")
         sampling = dict(sampling or {})
-        ctx = AdmissionContext(prompt_token_count, max_tokens, min(routes_start, prompt_token_count), self.model, sampling)
+        for k, v in sampling.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise AdmissionError(f"sampling {k}={v!r} is not a finite number; allowed: finite numbers "
+                                     f"(the artifact header records it as JSON)")
+        ctx = AdmissionContext(prompt_token_count, max_tokens, routes_start, self.model, sampling)
         validated = self._target.validate(self.request.target)
         self._header = self._make_header(sampling)
         content_bytes = sum(p.admit(ctx) for p in self._producers)
@@ -313,11 +325,13 @@ class ArtifactSession:
                 code = "target_invalid" if isinstance(e, TargetError) else e.code
                 code = code if code in ERROR_MESSAGES else "delivery_failed"
                 log.warning("artifact_delivery_failed", error_code=code, target_kind=self.request.target_kind)
-                if did is not None:
-                    await asyncio.to_thread(self.journal.outcome, did, "failed", code)  # type: ignore[union-attr]
+                await self._journal_outcome(did, "failed", code)
                 return failed_receipt(self.request, code)
-            if did is not None:
-                await asyncio.to_thread(self.journal.outcome, did, "ready")  # type: ignore[union-attr]
+            except BaseException:
+                # cancelled or crashed mid-upload: the object may or may not have landed (reconcile judges it)
+                await asyncio.shield(self._journal_outcome(did, "interrupted"))
+                raise
+            await self._journal_outcome(did, "ready")
             log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
             return {
                 "format": self.request.format,
@@ -335,6 +349,16 @@ class ArtifactSession:
             return failed_receipt(self.request, "internal_error")
         finally:
             sem.release()
+
+    async def _journal_outcome(self, did: str | None, state: str, code: str | None = None) -> None:
+        """Journal an outcome; a journal that cannot be written (ENOSPC...) never changes the receipt: the
+        object's fate is already decided, and reconcile will see the intent without this outcome."""
+        if did is None or self.journal is None:
+            return
+        try:
+            await asyncio.to_thread(self.journal.outcome, did, state, code)
+        except OSError as e:
+            log.error("journal_outcome_not_written", state=state, errno=e.errno)
 
     async def aclose(self, engine: Any = None) -> None:
         """Release engine-side state (producers' optional ``discard(engine)``), then :meth:`release`."""

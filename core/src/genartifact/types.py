@@ -133,3 +133,19 @@ class StorageTarget(Protocol):
     async def deliver(self, target: ValidatedTarget, data: bytes, sha256: str) -> str:
         """Store exactly ``data`` create-only and all-or-nothing; return the object id.
         Raise ``DeliveryError`` (with a stable ``code``) on any failure, leaving nothing at the key."""
+
+    async def open(self, object_id: str, max_bytes: int) -> bytes:
+        """Read back the object a receipt names (``object_id`` as returned by :meth:`deliver`), reading at
+        most ``max_bytes`` bytes. Raises :class:`~genartifact.errors.ObjectNotFoundError` when absent,
+        :class:`~genartifact.errors.ObjectTooLargeError` when larger than ``max_bytes``,
+        :class:`~genartifact.errors.TargetNotReadableError` when the kind cannot read (write-only grants) and
+        :class:`~genartifact.errors.TargetError` for an id this target does not accept."""
+
+    async def exists(self, object_id: str) -> bool:
+        """Whether an object is stored under ``object_id``. Same errors as :meth:`open` (bar not-found)."""
+
+    async def delete(self, object_id: str, sha256: str) -> bool:
+        """Conditional delete: remove the object only if its bytes hash (SHA-256, lowercase hex) to ``sha256``,
+        hashing while streaming and never reading more than the target's ``max_bytes`` (a larger object is not
+        ours and is kept). Returns True if deleted, False if absent or different. Raises
+        :class:`~genartifact.errors.TargetNotReadableError` when the kind cannot delete."""

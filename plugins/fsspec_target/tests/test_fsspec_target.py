@@ -12,10 +12,22 @@ from genartifact.errors import ConfigError, DeliveryError, TargetError
 from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles, validate_key
 
 
-def target(tmp_path, **extra):
+@pytest.fixture
+def mem_root():
+    """An isolated memory:// root per test (the memory store is process-global); removed afterwards."""
+    import uuid
+
+    root = f"/fs-target-tests-{uuid.uuid4().hex}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def target(tmp_path, mem_root="/fs-target-tests-unused", **extra):
     return ManagedFsspecTarget(parse_profiles({"profiles": {
         "disk": {"url": f"file://{tmp_path}", "allowed_prefixes": ["runs/", "other/x"], **extra},
-        "mem": {"url": "memory://fs-target-tests", "allowed_prefixes": [""]},
+        "mem": {"url": f"memory://{mem_root}", "allowed_prefixes": [""]},
     }}))
 
 
@@ -93,13 +105,111 @@ def test_local_write_failure_leaves_nothing(tmp_path):
     assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
 
 
-def test_memory_create_only():
-    t = target("/unused")
+def test_memory_create_only(mem_root):
+    t = target("/unused", mem_root)
     v = t.validate({"kind": "managed_fsspec", "profile": "mem", "object_key": "k1"})
     asyncio.run(t.deliver(v, b"one", "x"))
     with pytest.raises(DeliveryError, match="already exists"):
         asyncio.run(t.deliver(v, b"two", "x"))
-    assert fsspec.filesystem("memory").cat_file("/fs-target-tests/k1") == b"one"
+    assert fsspec.filesystem("memory").cat_file(f"{mem_root}/k1") == b"one"
+
+
+@pytest.mark.parametrize("profile", ["mem", "disk"])
+def test_concurrent_writers_exactly_one_ready(tmp_path, mem_root, profile, monkeypatch):
+    """Create-only is atomic: 32 writers racing on one key (threads and tasks) -> exactly one succeeds and the
+    stored bytes are the winner's. The memory store's existence check is slowed to widen any race window."""
+    import threading
+    import time
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    orig_exists = MemoryFileSystem.exists
+
+    def slow_exists(self, path, **kw):
+        r = orig_exists(self, path, **kw)
+        time.sleep(0.005)
+        return r
+
+    monkeypatch.setattr(MemoryFileSystem, "exists", slow_exists)
+
+    t = target(tmp_path, mem_root)
+    v = t.validate({"kind": "managed_fsspec", "profile": profile, "object_key": "runs/race.gart"})
+    results: dict[int, str] = {}
+    barrier = threading.Barrier(8)
+
+    def writer(i):
+        async def many():
+            barrier.wait()
+            return await asyncio.gather(*(t.deliver(v, b"w%d-%d" % (i, j), "x") for j in range(4)),
+                                        return_exceptions=True)
+        for j, r in enumerate(asyncio.run(many())):
+            results[i * 4 + j] = "ready" if isinstance(r, str) else r.code
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    winners = [n for n, r in results.items() if r == "ready"]
+    assert len(winners) == 1 and sorted(set(results.values())) == ["object_exists", "ready"]
+    stored = asyncio.run(t.open(f"{profile}:runs/race.gart", 1 << 20))
+    assert stored == b"w%d-%d" % divmod(winners[0], 4)
+
+
+@pytest.mark.parametrize("profile", ["mem", "disk"])
+def test_read_back_protocol(tmp_path, mem_root, profile):
+    import hashlib
+
+    from genartifact.errors import ObjectNotFoundError, ObjectTooLargeError
+
+    t = target(tmp_path, mem_root)
+    oid = f"{profile}:runs/rb.gart"
+    assert asyncio.run(t.exists(oid)) is False
+    with pytest.raises(ObjectNotFoundError):
+        asyncio.run(t.open(oid, 100))
+    v = t.validate({"kind": "managed_fsspec", "profile": profile, "object_key": "runs/rb.gart"})
+    asyncio.run(t.deliver(v, b"0123456789", "x"))
+    assert asyncio.run(t.exists(oid)) is True
+    assert asyncio.run(t.open(oid, 10)) == b"0123456789"
+    with pytest.raises(ObjectTooLargeError):
+        asyncio.run(t.open(oid, 9))
+    assert asyncio.run(t.delete(oid, hashlib.sha256(b"other").hexdigest())) is False  # not our bytes: kept
+    assert asyncio.run(t.open(oid, 10)) == b"0123456789"
+    assert asyncio.run(t.delete(oid, hashlib.sha256(b"0123456789").hexdigest())) is True
+    assert asyncio.run(t.exists(oid)) is False
+    assert asyncio.run(t.delete(oid, hashlib.sha256(b"0123456789").hexdigest())) is False
+    for bad in ("nocolon", "ghost:runs/x", f"{profile}:../etc/passwd", "disk:elsewhere/x"):
+        with pytest.raises(TargetError):
+            asyncio.run(t.open(bad, 10))
+    with pytest.raises(TargetError, match="sha256"):
+        asyncio.run(t.delete(oid, "XYZ"))
+
+
+def test_conditional_delete_never_reads_past_max_bytes(tmp_path):
+    import hashlib
+
+    t = target(tmp_path, max_bytes=8)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs/big").write_bytes(b"A" * 100)
+    assert asyncio.run(t.delete("disk:runs/big", hashlib.sha256(b"A" * 100).hexdigest())) is False
+    assert (tmp_path / "runs/big").exists()
+
+
+def test_crash_temp_files_listed_and_removed_with_age_guard(tmp_path):
+    t = target(tmp_path)
+    (tmp_path / "runs/sub").mkdir(parents=True)
+    old = tmp_path / "runs/sub/.genartifact-tmp-abc"
+    old.write_bytes(b"partial")
+    os.utime(old, (1, 1))
+    fresh = tmp_path / "runs/.genartifact-tmp-new"
+    fresh.write_bytes(b"in flight")
+    (tmp_path / "runs/.tmp-not-ours").write_bytes(b"x")
+    found = asyncio.run(t.leftovers(older_than_s=60))
+    assert [f["path"] for f in found] == [str(old)]
+    assert asyncio.run(t.remove_leftover(found[0])) is True
+    assert not old.exists() and fresh.exists() and (tmp_path / "runs/.tmp-not-ours").exists()
+    with pytest.raises(TargetError):
+        asyncio.run(t.remove_leftover({"profile": "disk", "path": str(tmp_path / "runs/.tmp-not-ours")}))
 
 
 def test_over_max_bytes_refused_before_write(tmp_path):

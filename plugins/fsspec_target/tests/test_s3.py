@@ -1,4 +1,4 @@
-"""managed_fsspec on a real S3-compatible server (moto server mode on loopback, started by the root conftest)."""
+"""managed_fsspec on a real S3 implementation (SeaweedFS on loopback, started by the root conftest)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import time
 import uuid
 
 import pytest
-import s3fs
 import structlog
 from genartifact.errors import DeliveryError
 from genartifact_fsspec_target import ManagedFsspecTarget, open_object, parse_profiles
@@ -53,33 +52,93 @@ def test_retry_after_landed_put_is_idempotent(s3_server):
     assert deliver(t, k, b"same bytes") == f"s3:{k}"
 
 
-def test_single_put_object_no_multipart(s3_server, monkeypatch):
-    calls = []
-    orig = s3fs.S3FileSystem._call_s3
+def _spy_requests(monkeypatch):
+    """Record (operation, method, header names) of every request the plugin's S3 clients send."""
+    import genartifact_fsspec_target as ft
 
-    async def spy(self, method, *a, **kw):
-        calls.append(method)
-        return await orig(self, method, *a, **kw)
+    sent = []
+    sess = ft._botocore_session(None)
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", spy)
-    t = target(s3_server)
-    deliver(t, key(), b"x" * (12 << 20))
-    assert calls == ["put_object"]
+    def before_send(request, **kw):
+        sent.append((request.method, {k.lower() for k in request.headers}))
+
+    sess.register("before-send.s3", before_send)
+    monkeypatch.setattr(ft, "_SPY_UNREGISTER", lambda: sess.unregister("before-send.s3", before_send), raising=False)
+    return sent
 
 
-def test_fresh_filesystem_per_delivery_and_across_loops(s3_server, monkeypatch):
+def test_single_put_object_no_multipart_no_checksum_headers(s3_server, monkeypatch):
+    sent = _spy_requests(monkeypatch)
+    try:
+        t = target(s3_server)
+        deliver(t, key(), b"x" * (12 << 20))
+    finally:
+        import genartifact_fsspec_target as ft
+        ft._SPY_UNREGISTER()
+    assert [m for m, _ in sent] == ["PUT"]  # one PutObject, no multipart
+    headers = sent[0][1]
+    assert "if-none-match" in headers
+    assert not {h for h in headers if h.startswith("x-amz-checksum") or h in ("x-amz-sdk-checksum-algorithm",
+                                                                               "content-md5")}
+
+
+def test_checksum_header_is_configurable(s3_server, monkeypatch):
+    sent = _spy_requests(monkeypatch)
+    try:
+        deliver(target(s3_server, checksum="when_supported"), key(), b"y" * 1000)
+    finally:
+        import genartifact_fsspec_target as ft
+        ft._SPY_UNREGISTER()
+    assert any(h.startswith("x-amz-checksum") or h == "x-amz-sdk-checksum-algorithm" for h in sent[0][1])
+
+
+def test_bad_checksum_mode_refused():
+    from genartifact.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="checksum"):
+        parse_profiles({"profiles": {"p": {"url": "s3://b/x", "allowed_prefixes": [""], "checksum": "always"}}})
+    with pytest.raises(ConfigError, match=r"storage_options: key\(s\) \['use_ssl_typo'\]"):
+        parse_profiles({"profiles": {"p": {"url": "s3://b/x", "allowed_prefixes": [""],
+                                           "storage_options": {"use_ssl_typo": True}}}})
+
+
+def test_one_client_per_profile_and_event_loop(s3_server, monkeypatch):
+    import genartifact_fsspec_target as ft
+
     made = []
-    orig = s3fs.S3FileSystem.__init__
+    orig = ft._client_kwargs
 
-    def init(self, *a, **kw):
-        made.append(self)
-        orig(self, *a, **kw)
+    def spy(prof):
+        made.append(prof.name)
+        return orig(prof)
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "__init__", init)
+    monkeypatch.setattr(ft, "_client_kwargs", spy)
     t = target(s3_server)
-    deliver(t, key(), b"a")  # event loop 1
-    deliver(t, key(), b"b")  # event loop 2 (a shared session would be bound to the closed loop 1)
-    assert len(made) == 2 and made[0] is not made[1]
+
+    async def three():
+        for i in range(3):
+            v = t.validate({"kind": "managed_fsspec", "profile": "s3", "object_key": key()})
+            await t.deliver(v, b"%d" % i, hashlib.sha256(b"%d" % i).hexdigest())
+
+    asyncio.run(three())  # event loop 1: one client for three deliveries
+    assert made == ["s3"]
+    asyncio.run(three())  # event loop 2: its own client (a client is bound to its loop)
+    assert made == ["s3", "s3"]
+
+
+def test_retry_check_asks_size_first_and_never_reads_a_foreign_object(s3_server, monkeypatch):
+    """A foreign object of another size at the key: object_exists after a HEAD, with no GET at all."""
+    t, k = target(s3_server), key()
+    s3_server["client"].put_object(Bucket="ga-test", Key=f"art/{k}", Body=b"f" * (3 << 20))
+    sent = _spy_requests(monkeypatch)
+    try:
+        with pytest.raises(DeliveryError) as e:
+            deliver(t, k, b"mine")
+    finally:
+        import genartifact_fsspec_target as ft
+        ft._SPY_UNREGISTER()
+    assert e.value.code == "object_exists"
+    assert [m for m, _ in sent] == ["PUT", "HEAD"]
 
 
 def test_concurrent_deliveries_one_loop(s3_server):
@@ -152,3 +211,30 @@ def test_bad_environment_profiles(monkeypatch):
     monkeypatch.setenv("GENARTIFACT_STORAGE_PROFILES", '{"p": {"url": "s3://b/x", "allowed_prefixes": [""], "timeout_s": -1}}')
     with pytest.raises(ConfigError, match="timeout_s"):
         parse_profiles({})
+
+
+def test_read_back_protocol_on_s3(s3_server):
+    from genartifact.errors import ObjectNotFoundError, ObjectTooLargeError
+
+    t, k = target(s3_server), key()
+    oid = f"s3:{k}"
+    assert asyncio.run(t.exists(oid)) is False
+    with pytest.raises(ObjectNotFoundError):
+        asyncio.run(t.open(oid, 10))
+    deliver(t, k, b"0123456789")
+    assert asyncio.run(t.exists(oid)) and asyncio.run(t.open(oid, 10)) == b"0123456789"
+    with pytest.raises(ObjectTooLargeError):
+        asyncio.run(t.open(oid, 9))
+    assert asyncio.run(t.delete(oid, hashlib.sha256(b"nope").hexdigest())) is False
+    assert asyncio.run(t.delete(oid, hashlib.sha256(b"0123456789").hexdigest())) is True
+    assert asyncio.run(t.exists(oid)) is False
+
+
+def test_presigned_target_is_not_readable():
+    from genartifact.errors import TargetNotReadableError
+    from genartifact_http_put_target import PresignedHttpPutTarget, PresignedSettings
+
+    t = PresignedHttpPutTarget(PresignedSettings.parse({"allowed_hosts": ["b.example.com"]}))
+    for call in (t.open("id", 10), t.exists("id"), t.delete("id", "0" * 64)):
+        with pytest.raises(TargetNotReadableError, match="write-only"):
+            asyncio.run(call)

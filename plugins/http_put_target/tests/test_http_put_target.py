@@ -224,7 +224,8 @@ def test_retry_on_5xx_and_429(fault_server, mode, attempts):
 @pytest.mark.parametrize(
     "mode, code, attempts",
     [("always503", "delivery_failed", 3), ("redirect", "redirect_refused", 1), ("s413", "too_large", 1),
-     ("s403", "expired", 1), ("s400", "delivery_failed", 1)],
+     ("s403", "forbidden", 1), ("s403expired", "expired", 1), ("s403signature", "signature_mismatch", 1),
+     ("s400", "delivery_failed", 1)],
 )
 def test_final_failures(fault_server, mode, code, attempts):
     t = PresignedHttpPutTarget(settings(fault_server))
@@ -322,3 +323,48 @@ def test_httpx_request_log_stays_quiet(fault_server, caplog):
     t = PresignedHttpPutTarget(settings(fault_server))
     put(t, grant(url=fault_server.url(f"/ok/quiet?{SECRET}")))
     assert "TOPSECRETSIG" not in caplog.text
+
+
+SIGV4 = ("X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AK%2F20261130%2Fus-east-1%2Fs3%2Faws4_request"
+         "&X-Amz-Date=20261130T000000Z&X-Amz-Expires=600&X-Amz-SignedHeaders={}&X-Amz-Signature=TOPSECRETSIG")
+
+
+@pytest.mark.parametrize("signed, headers, match", [
+    ("host%3Bif-none-match%3Bx-amz-meta-run", {"if-none-match": "*"}, r"missing \['x-amz-meta-run'\]"),
+    ("host%3Bif-none-match", {"if-none-match": "*", "x-amz-meta-run": HDR_SECRET}, r"not signed \['x-amz-meta-run'\]"),
+    ("host", {"if-none-match": "*"}, r"not signed \['if-none-match'\]"),
+    ("host%3Bcontent-type%3Bif-none-match", {"if-none-match": "*"}, r"missing \['content-type'\]"),
+])
+def test_grant_headers_must_match_the_signed_header_list(signed, headers, match):
+    t = PresignedHttpPutTarget(settings())
+    with pytest.raises(TargetError, match=match) as e:
+        t.validate(grant(url="https://bucket.example.com/a/key?" + SIGV4.format(signed), headers=headers))
+    assert HDR_SECRET not in str(e.value) and "TOPSECRETSIG" not in str(e.value)
+
+
+def test_signed_header_list_match_is_accepted_incl_host_and_content_length():
+    t = PresignedHttpPutTarget(settings())
+    t.validate(grant(url="https://bucket.example.com/a/key?" + SIGV4.format("content-length%3Bhost%3Bif-none-match"),
+                     headers={"if-none-match": "*"}))
+    goog = ("https://bucket.example.com/a/key?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-SignedHeaders=host%3Bx-goog-meta-a"
+            "&X-Goog-Signature=abc")
+    with pytest.raises(TargetError, match=r"missing \['x-goog-meta-a'\]"):
+        t.validate(grant(url=goog, headers={"if-none-match": "*"}))
+
+
+@pytest.mark.parametrize("path", ["/runs/../x.gart", "/runs/./x.gart", "/runs/%2e%2e/x.gart", "/runs/.%2E/x.gart",
+                                  "/runs/%2E/x.gart", "/..", "/a/b/..", "/runs/%2e%2E/%2e%2e/x"])
+def test_dot_segments_are_refused_at_validation(path):
+    t = PresignedHttpPutTarget(settings())
+    with pytest.raises(TargetError, match="'.' or '..' segment"):
+        t.validate(grant(url=f"https://bucket.example.com{path}?{SECRET}"))
+
+
+@pytest.mark.parametrize("path", ["/runs/a%2Fb.gart", "/runs/x.gart", "/runs/%7Euser/..x.gart", "/runs/a.b/.c",
+                                  "/runs/%41%62"])
+def test_wire_path_is_byte_for_byte_the_signed_path(fault_server, path):
+    """What reaches the socket (the request line the server read) is exactly the URL's path and query."""
+    t = PresignedHttpPutTarget(settings(fault_server))
+    raw = "/ok" + path + "?" + SECRET + "&x=%2e%2E"
+    put(t, grant(url=fault_server.url(raw)))
+    assert fault_server.requests[-1].raw_path == raw

@@ -157,6 +157,10 @@ class Server:
             raise RequestSpecError(f"n={n!r} unsupported; allowed: 1 (one choice per request)")
         return s
 
+    def max_model_len(self) -> int:
+        """The engine's context length in tokens (as vLLM's ``/v1/models`` reports it)."""
+        return int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
+
     def tokenize_check(self, text: str, what: str) -> None:
         max_len = int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
         if len(text) > max_len * CHARS_PER_TOKEN_CAP:
@@ -271,7 +275,9 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "genartifact"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "genartifact",
+                                           "root": model_name, "parent": None,
+                                           "max_model_len": state["s"].max_model_len()}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -335,7 +341,31 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
         rid = f"{'cmpl' if kind != 'chat' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if stream and kind != "generate":
             return StreamingResponse(sse(srv, prep, kind, rid), media_type="text/event-stream")
-        return await respond(srv, prep, kind, rid, len(ids))
+        return await until_disconnect(request, respond(srv, prep, kind, rid, len(ids)))
+
+    async def until_disconnect(request: Request, work: Any) -> Any:
+        """Run a non-streaming request while watching its connection: a client that hangs up aborts it with
+        the streaming rules (still generating: aborted in vLLM, captures released, nothing stored; upload
+        already started: finishes in the background, journaled). Returns the response, or None (nobody to
+        send it to)."""
+        task = asyncio.ensure_future(work)
+
+        async def hangup() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(hangup())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        state["s"].metrics.requests.labels("client_disconnected", "").inc()
+        return None
 
     async def respond(srv: Server, prep: Any, kind: str, rid: str, n_prompt: int) -> Any:
         result: RequestResult | None = None
@@ -426,15 +456,18 @@ def run_serve_cli(args: Any) -> int:
 
     cfg = config_mod.load(args.config)
     host = PluginHost(cfg.plugins)
+    from genartifact.engine.engine_args import command_engine_kwargs
     from genartifact.engine.job import check_target_tables
 
     check_target_tables(cfg, host)
     pipeline_concurrency()
+    kwargs = command_engine_kwargs(cfg, args)  # vLLM's engine arguments: [engine] table, then the command line
+    names = kwargs.get("served_model_name") or [args.model]  # as vLLM: the first name is the one responses carry
+    names = [names] if isinstance(names, str) else list(names)
 
     async def factory() -> VllmEngine:
-        kwargs: dict[str, Any] = {"max_model_len": args.max_model_len, "seed": args.seed}
         return await VllmEngine(host, args.model, **kwargs).start()
 
-    app = create_app(factory, cfg, args.served_model_name or args.model, drain_s=args.drain_s)
+    app = create_app(factory, cfg, names[0], drain_s=args.drain_s)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.drain_s))
     return 0

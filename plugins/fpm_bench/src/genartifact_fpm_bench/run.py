@@ -14,7 +14,7 @@ import structlog
 from genartifact_fpm_bench import SCHEDULER_QUALNAME, __version__
 from genartifact_fpm_bench.artifact import RANK_SCHEMA, SCHEMA_VERSION, rank_path, write_once
 from genartifact_fpm_bench.content import HASH_ENCODING, IDENTITY, content_seed
-from genartifact_fpm_bench.grid import Limits, build_grid, grid_digest, load_points
+from genartifact_fpm_bench.grid import Limits, grid_digest, load_points, plan_grid
 from genartifact_fpm_bench.runner import NOISY_CV, UNOBSERVED, BenchRunner, FpmCollector
 
 log = structlog.get_logger("genartifact.fpm_bench")
@@ -54,9 +54,15 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
     try:
         await asyncio.sleep(0.3)  # ZMQ slow joiner: the subscription must reach the publisher
         limits = limits_of(engine.llm.vllm_config)
-        points = load_points(points_file, limits) if points_file else build_grid(limits, mode, max_points=max_points)
+        if points_file:
+            points, excluded = load_points(points_file, limits, repeats), []
+        else:
+            plan = plan_grid(limits, mode, max_points=max_points, repeats=repeats)
+            points, excluded = plan.points, plan.excluded_dicts()
+        for x in excluded:  # said before anything runs
+            log.info("bench_point_excluded", point=x["key"], reason=x["reason"])
         vocab = int(engine.model_info.hf_config.get("vocab_size", 512))  # type: ignore[union-attr]
-        runner = BenchRunner(engine.llm, collector, rank, (4, vocab), repeats=repeats)
+        runner = BenchRunner(engine.llm, collector, rank, (4, vocab), limits, repeats=repeats)
         await runner.warmup()
         records = []
         for p in tqdm(points, desc=f"bench rank {rank}", unit="pt", disable=not progress):
@@ -80,7 +86,8 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
                      "prefill": "single_step", "decode": "steady_steps_after_admission", "unobserved": UNOBSERVED,
                      "fpm_bench_version": __version__},
         "limits": limits.__dict__,
-        "coverage": {"expected_points": len(points), "completed_points": done, "failed_points": len(points) - done},
+        "coverage": {"expected_points": len(points), "completed_points": done, "failed_points": len(points) - done,
+                     "excluded_points": excluded},
         "points": records,
         "warmup_evidence": runner.warmup_evidence,
         "stream": {"gaps": collector.gaps},

@@ -10,7 +10,9 @@ Server-side settings (config ``[targets.managed_fsspec]``)::
     timeout_s = 60.0               # whole delivery deadline (seconds)
     connect_timeout_s = 5.0        # object stores: TCP/TLS connect timeout
     read_timeout_s = 30.0          # object stores: per-read socket timeout
-    max_attempts = 3               # object stores: botocore "standard" retries of transient errors
+    max_attempts = 3               # object stores: total PutObject attempts (botocore "standard" mode)
+    checksum = "when_required"     # S3: botocore request_checksum_calculation; "when_supported" adds
+                                   # x-amz-checksum-crc32 (some S3-compatible stores reject it)
 
 Profiles may also come from ``GENARTIFACT_STORAGE_PROFILES`` (a JSON object name -> profile, same keys),
 merged over the config's profiles.
@@ -18,19 +20,26 @@ merged over the config's profiles.
 Request target: ``{"kind": "managed_fsspec", "profile": "local", "object_key": "runs/x/0001.gart"}``.
 Receipt object id: ``"<profile>:<object_key>"``.
 
-Create-only and all-or-nothing: local files are written to a hidden temp file in the destination
-directory and published with ``os.link`` (atomic, fails if the key exists). S3 (``s3://``, ``s3a://``) goes
-through s3fs's async API with a fresh ``S3FileSystem`` per delivery (no session or event-loop state shared
-across loops): one ``PutObject`` with ``If-None-Match: *`` (conditional create; a second write of the key
-fails with 412 and is reported as ``object_exists``), never multipart for objects up to ``max_bytes``. When a
-retried PUT meets 412 the stored object is read back and compared by SHA-256: identical bytes mean an earlier
-attempt landed (success), anything else is ``object_exists``. ETags are never used as digests. Other fsspec
-filesystems use ``pipe_file(mode="create")``.
+Create-only and all-or-nothing: local files are written to a hidden temp file (``.genartifact-tmp-*``) in
+the destination directory and published with ``os.link`` (atomic, fails if the key exists); a crash can leave
+such a temp file, which ``genartifact reconcile`` lists and removes (:meth:`ManagedFsspecTarget.leftovers`).
+``memory://`` (one process's in-memory store) is made create-only atomic by a process-wide lock around the
+existence check and the write (the store is only visible inside the process, so the lock covers every writer).
+S3 (``s3://``, ``s3a://``) goes through one aiobotocore client per profile and event loop (created on first use,
+closed when the loop shuts down its async generators): one ``PutObject`` with ``If-None-Match: *``
+(conditional create; a second write of the key fails with 412 and is reported as ``object_exists``), never
+multipart, and no flexible checksum header unless the profile asks for it (``checksum``). When a PUT meets
+412 the stored object's size is asked first (HEAD); only an object of exactly our size is read back, streamed
+and hashed, never more than ``max_bytes``: identical SHA-256 means an earlier attempt of ours landed
+(success), anything else is ``object_exists``. ETags are never used as digests.
 
 Default timeouts: connect 5 s (a healthy object store answers in milliseconds; a dead endpoint should fail
 fast enough to leave retry budget), read 30 s (one 64 MiB PUT at >= 3 MB/s), whole delivery 60 s (bounds the
 pipeline slot a delivery can hold), 3 attempts in botocore's standard mode (transient 5xx, throttling and
-connection errors, with jittered exponential backoff).
+connection errors, with jittered exponential backoff). ``max_attempts`` is the total number of PutObject
+attempts botocore makes (``total_max_attempts``, the first included); in addition aiohttp may resend a request
+once on a reused keep-alive connection that the server closed before answering (RFC 9112 section 9.3.1), so a
+body can reach the wire at most ``2 * max_attempts`` times, and 412 makes any resend harmless.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ import math
 import os
 import re
 import tempfile
+import threading
+import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +62,13 @@ from typing import Any
 import fsspec
 import pluggy
 import structlog
-from genartifact.errors import ConfigError, DeliveryError, TargetError
+from genartifact.errors import (
+    ConfigError,
+    DeliveryError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    TargetError,
+)
 from genartifact.format import MAX_DECODED_BYTES, encoded_size_bound
 from genartifact.types import ValidatedTarget
 
@@ -64,7 +82,12 @@ KEY_SEGMENT = re.compile(r"[A-Za-z0-9_.=+@-]{1,255}")
 MAX_KEY_BYTES = 1024
 MAX_OBJECT_BYTES = encoded_size_bound(MAX_DECODED_BYTES)
 _PROFILE_KEYS = {"url", "allowed_prefixes", "max_bytes", "storage_options", "timeout_s", "connect_timeout_s",
-                 "read_timeout_s", "max_attempts"}
+                 "read_timeout_s", "max_attempts", "checksum"}
+CHECKSUM_MODES = ("when_required", "when_supported")
+TEMP_PREFIX = ".genartifact-tmp-"
+_CHUNK = 1 << 20
+S3_OPTION_KEYS = {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",
+                  "session"}
 ENV_PROFILES = "GENARTIFACT_STORAGE_PROFILES"
 S3_PROTOCOLS = ("s3://", "s3a://")
 CREATE_ONLY_PROTOCOLS = ("file://", "memory://", *S3_PROTOCOLS)
@@ -84,6 +107,7 @@ class Profile:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
     max_attempts: int = 3
+    checksum: str = "when_required"
 
     @property
     def is_local(self) -> bool:
@@ -172,12 +196,19 @@ def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None) ->
         so = p.get("storage_options", {})
         if not isinstance(so, Mapping):
             raise ConfigError(f"{where}.storage_options must be a table")
+        if url.startswith(S3_PROTOCOLS) and set(so) - S3_OPTION_KEYS:
+            raise ConfigError(f"{where}.storage_options: key(s) {sorted(map(str, set(so) - S3_OPTION_KEYS))} "
+                              f"unsupported for S3; allowed: {sorted(S3_OPTION_KEYS)}")
         times = {k: _seconds(p, k, d, where) for k, d in
                  (("timeout_s", 60.0), ("connect_timeout_s", 5.0), ("read_timeout_s", 30.0))}
         attempts = p.get("max_attempts", 3)
         if isinstance(attempts, bool) or not isinstance(attempts, int) or not 1 <= attempts <= 10:
             raise ConfigError(f"{where}.max_attempts={attempts!r}; allowed: integer 1..10")
-        out[name] = Profile(name, url.rstrip("/"), tuple(prefixes), mb, dict(so), max_attempts=attempts, **times)
+        checksum = p.get("checksum", "when_required")
+        if checksum not in CHECKSUM_MODES:
+            raise ConfigError(f"{where}.checksum={checksum!r}; allowed: {list(CHECKSUM_MODES)}")
+        out[name] = Profile(name, url.rstrip("/"), tuple(prefixes), mb, dict(so), max_attempts=attempts,
+                            checksum=checksum, **times)
     return out
 
 
@@ -231,10 +262,70 @@ class ManagedFsspecTarget:
                 elif prof.is_s3:
                     await _write_s3_create_only(prof, key, data, sha256)
                 else:
-                    await asyncio.to_thread(_write_fsspec_create_only, prof, key, data)
+                    await asyncio.to_thread(_write_memory_create_only, prof, key, data)
         except TimeoutError:
             raise DeliveryError("managed artifact write timed out", "timeout") from None
         return target.object_id
+
+    def _resolve(self, object_id: str) -> tuple[Profile, str]:
+        """``"<profile>:<key>"`` -> (profile, key); the key must be valid and under an allowed prefix."""
+        if not isinstance(object_id, str) or ":" not in object_id:
+            raise TargetError("managed_fsspec object id must be '<profile>:<object_key>'")
+        name, key = object_id.split(":", 1)
+        if name not in self.profiles:
+            raise TargetError(f"managed_fsspec object id names profile {name!r}; configured: {sorted(self.profiles)}")
+        prof = self.profiles[name]
+        validate_key(key)
+        if not any(_under(key, pre) for pre in prof.allowed_prefixes):
+            raise TargetError("managed_fsspec object id key is outside the profile's allowed prefixes")
+        return prof, key
+
+    async def open(self, object_id: str, max_bytes: int) -> bytes:
+        """Read ``"<profile>:<key>"`` back, at most ``max_bytes`` bytes (streamed; the size is checked first).
+        Raises :class:`ObjectNotFoundError`, :class:`ObjectTooLargeError` or :class:`TargetError`."""
+        prof, key = self._resolve(object_id)
+        data = await _read(prof, key, max_bytes)
+        if data is None:
+            raise ObjectNotFoundError(f"managed_fsspec object {object_id!r} does not exist")
+        return data
+
+    async def exists(self, object_id: str) -> bool:
+        """Whether ``"<profile>:<key>"`` is stored."""
+        prof, key = self._resolve(object_id)
+        return await _exists(prof, key)
+
+    async def delete(self, object_id: str, sha256: str) -> bool:
+        """Delete ``"<profile>:<key>"`` only if its bytes hash to ``sha256`` (streamed, at most the profile's
+        ``max_bytes`` read; a larger object is kept). True if deleted; False if absent or different."""
+        prof, key = self._resolve(object_id)
+        if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise TargetError("managed_fsspec delete: sha256 must be 64 lowercase hex characters")
+        return await _delete_if(prof, key, sha256)
+
+    async def leftovers(self, older_than_s: float) -> list[dict[str, Any]]:
+        """Crash leftovers per profile: ``file://`` temp files (``.genartifact-tmp-*``) older than
+        ``older_than_s`` seconds under the allowed prefixes, as ``{"profile", "path", "age_s", "bytes"}``.
+        ``memory://`` and S3 leave none (an S3 PutObject is all-or-nothing; multipart is never used)."""
+        out: list[dict[str, Any]] = []
+        for prof in self.profiles.values():
+            if prof.is_local:
+                out += await asyncio.to_thread(_local_leftovers, prof, older_than_s)
+        return out
+
+    async def remove_leftover(self, item: Mapping[str, Any]) -> bool:
+        """Remove one leftover reported by :meth:`leftovers` (re-checked: a temp file under the profile root)."""
+        prof = self.profiles.get(item.get("profile", ""))
+        if prof is None or not prof.is_local:
+            return False
+        root = Path(prof.url[len("file://"):]).resolve()
+        path = Path(str(item.get("path", "")))
+        if not path.name.startswith(TEMP_PREFIX) or root not in path.resolve().parents:
+            raise TargetError("leftover path is not a genartifact temp file under the profile root")
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
 
 
 def _read_umask() -> int:
@@ -247,10 +338,13 @@ _UMASK = _read_umask()
 
 
 def _write_local_create_only(dest: Path, data: bytes) -> None:
+    """Temp file in the destination directory, fsync, ``os.link`` to the key (atomic; EEXIST if taken), unlink
+    the temp. Any OSError (ENOSPC, EDQUOT, EACCES...) leaves neither the key nor the temp file behind."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=dest.parent)
-    except OSError:
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=dest.parent)
+    except OSError as e:
+        log.warning("managed_write_failed", errno=e.errno)
         raise DeliveryError("managed artifact write failed") from None
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; published objects follow the umask like any file
@@ -261,7 +355,8 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
         os.link(tmp, dest)  # atomic publish; EEXIST if the key exists
     except FileExistsError:
         raise DeliveryError("managed artifact object already exists", "object_exists") from None
-    except OSError:
+    except OSError as e:
+        log.warning("managed_write_failed", errno=e.errno)
         raise DeliveryError("managed artifact write failed") from None
     finally:
         try:
@@ -270,76 +365,359 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
             pass
 
 
-def _write_fsspec_create_only(prof: Profile, key: str, data: bytes) -> None:
+# memory:// is one process-global dict (fsspec MemoryFileSystem.store); this lock makes check-and-write atomic
+# for every writer that can see that store (threads and event loops of this process).
+_MEMORY_LOCK = threading.Lock()
+
+
+def _memory_fs_path(prof: Profile, key: str) -> tuple[Any, str]:
     fs, root = fsspec.core.url_to_fs(prof.url, skip_instance_cache=True, **prof.storage_options)
-    path = f"{root.rstrip('/')}/{key}"
+    return fs, f"{root.rstrip('/')}/{key}"
+
+
+def _write_memory_create_only(prof: Profile, key: str, data: bytes) -> None:
+    fs, path = _memory_fs_path(prof, key)
+    with _MEMORY_LOCK:
+        try:
+            if fs.exists(path):
+                raise DeliveryError("managed artifact object already exists", "object_exists")
+            fs.pipe_file(path, bytes(data))
+        except DeliveryError:
+            raise
+        except Exception:  # noqa: BLE001 - provider detail never reaches the caller
+            raise DeliveryError("managed artifact write failed") from None
+
+
+def _local_path(prof: Profile, key: str) -> Path:
+    return Path(prof.url[len("file://"):]) / key
+
+
+def _read_capped_fileobj(f: Any, size: int | None, max_bytes: int, hasher: Any = None) -> bytes | None:
+    """Read a file object in chunks; None if it turns out larger than ``max_bytes`` (never reads past +1)."""
+    if size is not None and size > max_bytes:
+        return None
+    buf = bytearray()
+    while True:
+        chunk = f.read(min(_CHUNK, max_bytes + 1 - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+        if hasher is not None:
+            hasher.update(chunk)
+        if len(buf) > max_bytes:
+            return None
+    return bytes(buf)
+
+
+def _local_read(prof: Profile, key: str, max_bytes: int) -> bytes | None:
     try:
-        fs.pipe_file(path, data, mode="create")
-    except FileExistsError:
-        raise DeliveryError("managed artifact object already exists", "object_exists") from None
-    except Exception:  # noqa: BLE001 - provider detail never reaches the caller
-        raise DeliveryError("managed artifact write failed") from None
+        with open(_local_path(prof, key), "rb") as f:
+            data = _read_capped_fileobj(f, os.fstat(f.fileno()).st_size, max_bytes)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise ObjectNotFoundError("managed_fsspec object does not exist") from None
+    if data is None:
+        raise ObjectTooLargeError(f"managed_fsspec object is larger than max_bytes={max_bytes}")
+    return data
 
 
-_BOTOCORE_SESSION: Any = None
+def _local_delete_if(prof: Profile, key: str, sha256: str) -> bool:
+    path = _local_path(prof, key)
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+    with f:
+        st = os.fstat(f.fileno())
+        h = hashlib.sha256()
+        if _read_capped_fileobj(f, st.st_size, prof.max_bytes, h) is None or h.hexdigest() != sha256:
+            return False
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            return False
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            return False  # replaced while we hashed: not the bytes we checked
+        os.unlink(path)
+    return True
 
 
-def _botocore_session() -> Any:
-    """One aiobotocore session per process: it only caches credentials resolution and the parsed service
-    models (tens of MB and ~0.2 s to build); it holds no connection pool or event-loop state, which live in
-    the per-delivery client."""
-    global _BOTOCORE_SESSION
-    if _BOTOCORE_SESSION is None:
+def _local_leftovers(prof: Profile, older_than_s: float) -> list[dict[str, Any]]:
+    root = Path(prof.url[len("file://"):])
+    now, out = time.time(), []
+    tops = {root / pre.rstrip("/") if pre else root for pre in prof.allowed_prefixes}
+    seen: set[Path] = set()
+    for top in sorted(tops):
+        if not top.is_dir():
+            continue
+        for dirpath, _dirs, files in os.walk(top):
+            for name in files:
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                p = Path(dirpath) / name
+                if p in seen:
+                    continue
+                seen.add(p)
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                age = now - st.st_mtime
+                if age >= older_than_s:
+                    out.append({"profile": prof.name, "path": str(p), "age_s": round(age, 1), "bytes": st.st_size})
+    return out
+
+
+def _memory_read(prof: Profile, key: str, max_bytes: int) -> bytes | None:
+    fs, path = _memory_fs_path(prof, key)
+    with _MEMORY_LOCK:
+        if not fs.exists(path):
+            raise ObjectNotFoundError("managed_fsspec object does not exist")
+        if fs.size(path) > max_bytes:
+            raise ObjectTooLargeError(f"managed_fsspec object is larger than max_bytes={max_bytes}")
+        return bytes(fs.cat_file(path))
+
+
+def _memory_delete_if(prof: Profile, key: str, sha256: str) -> bool:
+    fs, path = _memory_fs_path(prof, key)
+    with _MEMORY_LOCK:
+        if not fs.exists(path) or fs.size(path) > prof.max_bytes:
+            return False
+        if hashlib.sha256(fs.cat_file(path)).hexdigest() != sha256:
+            return False
+        fs.rm_file(path)
+    return True
+
+
+async def _read(prof: Profile, key: str, max_bytes: int) -> bytes | None:
+    if prof.is_local:
+        return await asyncio.to_thread(_local_read, prof, key, max_bytes)
+    if prof.is_s3:
+        client = await s3_client(prof)
+        data = await _s3_read(client, prof, key, max_bytes)
+        if data is None:
+            raise ObjectNotFoundError("managed_fsspec object does not exist")
+        return data
+    return await asyncio.to_thread(_memory_read, prof, key, max_bytes)
+
+
+async def _exists(prof: Profile, key: str) -> bool:
+    if prof.is_local:
+        return await asyncio.to_thread(_local_path(prof, key).is_file)
+    if prof.is_s3:
+        return await _s3_size(await s3_client(prof), prof, key) is not None
+    fs, path = _memory_fs_path(prof, key)
+    with _MEMORY_LOCK:
+        return bool(fs.exists(path))
+
+
+async def _delete_if(prof: Profile, key: str, sha256: str) -> bool:
+    if prof.is_local:
+        return await asyncio.to_thread(_local_delete_if, prof, key, sha256)
+    if prof.is_s3:
+        client = await s3_client(prof)
+        try:
+            if not await _s3_matches(client, prof, key, sha256, None):
+                return False
+            # S3 has no portable compare-and-delete: a create-only key is only re-created after a delete, so
+            # the window between the hash check and the delete cannot swap in other bytes of ours.
+            await client.delete_object(Bucket=_bucket(prof), Key=_s3_key(prof, key))
+        except Exception as e:  # noqa: BLE001 - provider detail never reaches the caller
+            log.warning("managed_delete_failed", profile=prof.name, error_type=type(e).__name__)
+            raise TargetError("managed_fsspec delete failed") from None
+        return True
+    return await asyncio.to_thread(_memory_delete_if, prof, key, sha256)
+
+
+# ---- S3: one aiobotocore client per (profile, event loop) ---------------------------------------------------
+
+_BOTOCORE_SESSIONS: dict[str | None, Any] = {}
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _botocore_session(profile_name: str | None = None) -> Any:
+    """One aiobotocore session per process (and AWS profile name): it caches credential resolution and the
+    parsed service models (tens of MB, ~0.2 s to build); connection pools live in the per-loop clients."""
+    if profile_name not in _BOTOCORE_SESSIONS:
         from aiobotocore.session import AioSession
 
-        _BOTOCORE_SESSION = AioSession()
-    return _BOTOCORE_SESSION
+        _BOTOCORE_SESSIONS[profile_name] = AioSession(profile=profile_name)
+    return _BOTOCORE_SESSIONS[profile_name]
 
 
-def s3_filesystem(prof: Profile, **extra: Any) -> Any:
-    """A fresh s3fs filesystem for ``prof`` (``skip_instance_cache``: no client, connection pool or event-loop
-    state shared across deliveries or loops; only the process-wide botocore model cache is reused), with the
-    profile's connect/read timeouts and botocore standard-mode retries; s3fs's own extra retry loop is
-    disabled so the attempt count is exactly ``max_attempts``."""
-    import s3fs
+def _bucket(prof: Profile) -> str:
+    return prof.url.split("://", 1)[1].split("/", 1)[0]
 
-    opts = dict(prof.storage_options)
-    opts.setdefault("session", _botocore_session())
-    cfg = dict(opts.pop("config_kwargs", {}) or {})
+
+def _s3_key(prof: Profile, key: str) -> str:
+    rest = prof.url.split("://", 1)[1].split("/", 1)
+    return f"{rest[1].strip('/')}/{key}" if len(rest) == 2 and rest[1].strip("/") else key
+
+
+def _client_kwargs(prof: Profile) -> dict[str, Any]:
+    """create_client kwargs from the profile's s3fs-style ``storage_options``: credentials, endpoint,
+    ``client_kwargs`` and ``config_kwargs``; timeouts, retries and checksum behaviour from the profile."""
+    from aiobotocore.config import AioConfig
+
+    so = prof.storage_options
+    kw: dict[str, Any] = {}
+    for src, dst in (("key", "aws_access_key_id"), ("secret", "aws_secret_access_key"),
+                     ("token", "aws_session_token"), ("endpoint_url", "endpoint_url")):
+        if so.get(src) is not None:
+            kw[dst] = so[src]
+    kw.update(dict(so.get("client_kwargs") or {}))
+    cfg = dict(so.get("config_kwargs") or {})
     cfg.update(connect_timeout=prof.connect_timeout_s, read_timeout=prof.read_timeout_s,
-               retries={"max_attempts": prof.max_attempts, "mode": "standard"})
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=cfg, **opts, **extra)
-    fs.retries = 1
-    return fs
+               retries={"total_max_attempts": prof.max_attempts, "mode": "standard"},
+               request_checksum_calculation=prof.checksum, response_checksum_validation="when_required")
+    if so.get("anon"):
+        from botocore import UNSIGNED
+
+        cfg["signature_version"] = UNSIGNED
+    kw["config"] = AioConfig(**cfg)
+    return kw
+
+
+def _client_cache_key(prof: Profile) -> str:
+    return json.dumps([prof.name, prof.url, prof.storage_options, prof.connect_timeout_s, prof.read_timeout_s,
+                       prof.max_attempts, prof.checksum], sort_keys=True, default=str)
+
+
+async def _close_at_loop_shutdown(creator: Any, cache: dict[str, Any], ck: str) -> Any:
+    """An async generator parked on its first ``yield``: ``loop.shutdown_asyncgens()`` (run by ``asyncio.run``
+    and uvicorn at shutdown) finalizes it, which closes the client on its own loop."""
+    try:
+        yield None
+    finally:
+        cache.pop(ck, None)
+        try:
+            await creator.__aexit__(None, None, None)
+        except Exception:  # noqa: BLE001, S110 - best effort at loop shutdown
+            pass
+
+
+async def s3_client(prof: Profile) -> Any:
+    """The aiobotocore S3 client of ``prof`` for the running event loop (created on first use, reused by every
+    later delivery on that loop, closed at loop shutdown). Raises :class:`ConfigError` for unsupported
+    ``storage_options``."""
+    loop = asyncio.get_running_loop()
+    per = _CLIENTS.setdefault(loop, {})
+    ck = _client_cache_key(prof)
+    entry = per.get(ck)
+    if entry is None:
+        lock = per.setdefault("__lock__", asyncio.Lock())
+        async with lock:
+            entry = per.get(ck)
+            if entry is None:
+                sess = prof.storage_options.get("session") or _botocore_session(prof.storage_options.get("profile"))
+                creator = sess.create_client("s3", **_client_kwargs(prof))
+                client = await creator.__aenter__()
+                closer = _close_at_loop_shutdown(creator, per, ck)
+                await closer.__anext__()
+                entry = per[ck] = (client, closer)
+    return entry[0]
+
+
+def _client_error(e: Exception) -> tuple[int | None, str]:
+    resp = getattr(e, "response", None) or {}
+    return resp.get("ResponseMetadata", {}).get("HTTPStatusCode"), str(resp.get("Error", {}).get("Code", ""))
+
+
+async def _s3_size(client: Any, prof: Profile, key: str) -> int | None:
+    """HEAD: the stored size in bytes, or None when there is no object."""
+    try:
+        head = await client.head_object(Bucket=_bucket(prof), Key=_s3_key(prof, key))
+    except Exception as e:
+        status, code = _client_error(e)
+        if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+    return int(head["ContentLength"])
+
+
+async def _s3_read(client: Any, prof: Profile, key: str, max_bytes: int, hasher: Any = None) -> bytes | None:
+    """GET streamed in chunks, at most ``max_bytes`` (+1 to detect more; raises ObjectTooLargeError); None if
+    absent. ``hasher`` (hashlib object) is fed while streaming."""
+    try:
+        resp = await client.get_object(Bucket=_bucket(prof), Key=_s3_key(prof, key))
+    except Exception as e:
+        status, code = _client_error(e)
+        if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+    body = resp["Body"]
+    try:
+        if int(resp.get("ContentLength", 0)) > max_bytes:
+            raise ObjectTooLargeError(f"managed_fsspec object is larger than max_bytes={max_bytes}")
+        buf = bytearray()
+        while True:
+            chunk = await body.read(min(_CHUNK, max_bytes + 1 - len(buf)))
+            if not chunk:
+                break
+            buf += chunk
+            if hasher is not None:
+                hasher.update(chunk)
+            if len(buf) > max_bytes:
+                raise ObjectTooLargeError(f"managed_fsspec object is larger than max_bytes={max_bytes}")
+        return bytes(buf)
+    finally:
+        body.close()
+
+
+async def _s3_matches(client: Any, prof: Profile, key: str, sha256: str, size: int | None) -> bool:
+    """Stored object has exactly ``size`` bytes (when given; asked first by HEAD) and SHA-256 ``sha256``,
+    streamed and never reading more than the profile's ``max_bytes``."""
+    stored = await _s3_size(client, prof, key)
+    if stored is None or stored > prof.max_bytes or (size is not None and stored != size):
+        return False
+    h = hashlib.sha256()
+    try:
+        data = await _s3_read(client, prof, key, prof.max_bytes, h)
+    except ObjectTooLargeError:
+        return False
+    return data is not None and h.hexdigest() == sha256
 
 
 async def _write_s3_create_only(prof: Profile, key: str, data: bytes, sha256: str) -> None:
-    fs = s3_filesystem(prof, asynchronous=True)
-    path = f"{prof.url.split('://', 1)[1].rstrip('/')}/{key}"
+    from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
     try:
-        await fs.set_session()
+        client = await s3_client(prof)
         try:
-            # chunksize >= max_bytes: s3fs sends one PutObject (multipart only above 2 x chunksize)
-            await fs._pipe_file(path, data, mode="create", chunksize=max(prof.max_bytes, 5 << 20))
-        except FileExistsError:
-            stored = await fs._cat_file(path)
-            if hashlib.sha256(stored).hexdigest() != sha256:
+            # one PutObject (never multipart), conditional create; no flexible checksum unless configured
+            await client.put_object(Bucket=_bucket(prof), Key=_s3_key(prof, key), Body=data, IfNoneMatch="*",
+                                    ContentLength=len(data))
+        except (ConnectTimeoutError, ReadTimeoutError):
+            raise
+        except Exception as e:
+            status, code = _client_error(e)
+            if status not in (412, 409) and code not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise
+            if status == 409 or not await _s3_matches(client, prof, key, sha256, len(data)):
                 raise DeliveryError("managed artifact object already exists", "object_exists") from None
             log.info("managed_put_idempotent", profile=prof.name)  # an earlier attempt of ours landed
     except DeliveryError:
         raise
-    except TimeoutError:
+    except (TimeoutError, ConnectTimeoutError, ReadTimeoutError):
         raise DeliveryError("managed artifact write timed out", "timeout") from None
     except Exception as e:  # noqa: BLE001 - provider detail never reaches the caller
         log.warning("managed_put_failed", profile=prof.name, error_type=type(e).__name__)
         raise DeliveryError("managed artifact write failed") from None
-    finally:
-        s3 = getattr(fs, "_s3", None)
-        if s3 is not None:
-            try:
-                await s3.__aexit__(None, None, None)
-            except Exception:  # noqa: BLE001, S110 - closing must not mask the outcome
-                pass
+
+
+def s3_filesystem(prof: Profile, **extra: Any) -> Any:
+    """A fresh s3fs filesystem for ``prof`` (for streaming readers such as ``inspect``), with the profile's
+    timeouts, total attempts and checksum behaviour; s3fs's own extra retry loop is disabled."""
+    import s3fs
+
+    opts = dict(prof.storage_options)
+    opts.setdefault("session", _botocore_session(opts.pop("profile", None)))
+    cfg = dict(opts.pop("config_kwargs", {}) or {})
+    cfg.update(connect_timeout=prof.connect_timeout_s, read_timeout=prof.read_timeout_s,
+               retries={"total_max_attempts": prof.max_attempts, "mode": "standard"},
+               request_checksum_calculation=prof.checksum, response_checksum_validation="when_required")
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=cfg, **opts, **extra)
+    fs.retries = 1
+    return fs
 
 
 def fs_and_path(profile: Profile, key: str) -> tuple[Any, str]:
@@ -351,19 +729,13 @@ def fs_and_path(profile: Profile, key: str) -> tuple[Any, str]:
 
 
 def open_object(profile: Profile, key: str) -> bytes:
-    """Read a stored object back (inspect, verify, reconcile, tests)."""
+    """Read a stored object back synchronously (tests, scripts), at most the profile's ``max_bytes``."""
     fs, path = fs_and_path(profile, key)
-    return fs.cat_file(path)
-
-
-def object_exists(profile: Profile, key: str) -> bool:
-    fs, path = fs_and_path(profile, key)
-    return bool(fs.exists(path))
-
-
-def delete_object(profile: Profile, key: str) -> None:
-    fs, path = fs_and_path(profile, key)
-    fs.rm_file(path)
+    with fs.open(path, "rb") as f:
+        data = _read_capped_fileobj(f, None, profile.max_bytes)
+    if data is None:
+        raise ObjectTooLargeError(f"managed_fsspec object is larger than max_bytes={profile.max_bytes}")
+    return data
 
 
 @hookimpl
