@@ -188,3 +188,21 @@ def test_track_flagged_adds_new_and_drops_finished():
     assert flagged == {"a-1": "cid-a"}
     track_flagged(NS(scheduled_new_reqs=[], finished_req_ids={"a-1"}), "k", flagged)
     assert flagged == {}
+
+
+def test_requested_prefix_caching_turned_off_is_a_warning_naming_option_and_reason():
+    import structlog
+    from genartifact.engine.vllm_adapter import engine_options
+    from genartifact.host import PluginHost
+
+    host = PluginHost({"contents": ["moe_routes"], "targets": ["managed_fsspec"]})
+    with structlog.testing.capture_logs() as logs:
+        opts = engine_options(host, "/m", {"enable_prefix_caching": True})
+    assert opts["enable_prefix_caching"] is False
+    events = {e["event"]: e for e in logs}
+    assert events["engine_option_overridden"]["option"] == "enable_prefix_caching"
+    assert events["engine_option_overridden"]["requested"] is True
+    assert "not recomputed" in events["prefix_caching_disabled"]["reason"]
+    with structlog.testing.capture_logs() as logs:
+        engine_options(host, "/m", {"enable_prefix_caching": False})
+    assert not [e for e in logs if e["log_level"] == "warning"]

@@ -466,3 +466,33 @@ def test_encoder_raises_format_error_for_non_json_values():
     for bad in ({"x": float("nan")}, {"x": object()}, {"x": float("inf")}):
         with pytest.raises(ArtifactFormatError, match="canonical JSON"):
             fmt.canonical_json(bad)
+
+
+def test_admission_counts_token_bytes(host, monkeypatch):
+    """A 3,000-token prompt needs 12 KB of uint32 token ids: under a 20,000-byte decoded limit it must be refused
+    before inference, not fail after it."""
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "20000")
+    s = session(host, spec(["selected_logprobs"]))
+    with pytest.raises(AdmissionError, match="worst-case decoded"):
+        s.admit(3000, 1)
+    session(host, spec(["selected_logprobs"])).admit(500, 1)  # 2 KB of tokens fits
+
+
+async def test_route_row_count_mismatch_is_capture_invalid(host):
+    """Native routes with one row fewer than prompt + completion - 1: the producer's row-count check refuses
+    it (capture_invalid, nothing stored), not the encoder."""
+    from genartifact.errors import CaptureError
+    from genartifact.types import FinalContext
+
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "first_k_dense_replace": 1}
+    model = ModelInfo("ds", cfg, engine_options={"native_routed_experts": True})
+    s = session(host, spec(["moe_routes"]), model=model)
+    s.admit(3, 2)
+    s.record(Delta([1, 2, 3], [4], None))
+    s.record(Delta([1, 2, 3], [5], None, routed_experts=np.zeros((3, 3, 2), np.int64), finished=True))
+    producer = s._producers[0]
+    with pytest.raises(CaptureError, match="3 rows captured; expected prompt \\+ completion - 1 - start = 4"):
+        producer.finalize(FinalContext(3, 2))
+    r = await s.finalize()
+    assert r["state"] == "failed" and r["error_code"] == "capture_invalid"

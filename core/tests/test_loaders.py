@@ -271,3 +271,41 @@ def test_stitch_turns_golden_and_validation():
     other = fmt.decode(make(tokens=[1, 2, 9, 4, 5, 6, 7], p=6, start=4, rows=full_rows[4:]).data)
     with pytest.raises(ld.LayoutError, match="do not extend"):
         ld.stitch_turns([t0, other])
+
+
+# ------------------------------------------------------------------------------------ decode: parallel digest
+
+
+def big_artifact() -> bytes:
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 8, (2, 600_000, 2)).astype(np.uint8)  # incompressible enough to exceed 1 MiB stored
+    enc = fmt.encode(fmt.ArtifactInput(
+        np.arange(600_001, dtype=np.uint32), 600_000, ["moe_routes"],
+        {"moe_routes": {"token_start": 0, "router_ids": [0, 1], "expert_counts": [8, 8], "top_k": 2,
+                        "layout": "router_major", "source": "test"}}, [fmt.TensorPart("moe_routes.expert_ids", rows)]))
+    assert enc.byte_count >= fmt.PARALLEL_HASH_BYTES
+    return enc.data
+
+
+def test_large_objects_hashed_in_a_helper_thread_match_hashlib():
+    data = big_artifact()
+    art = fmt.decode(data)
+    assert art.sha256 == hashlib.sha256(data).hexdigest() and fmt._HASH_POOL is not None
+    bad = data[:-1] + bytes([data[-1] ^ 1])  # a different object: a different digest (or a format error)
+    try:
+        assert fmt.decode(bad).sha256 != art.sha256
+    except fmt.ArtifactFormatError:
+        pass
+
+
+def test_forked_child_gets_a_fresh_hash_pool():
+    import os
+
+    data = big_artifact()
+    fmt.decode(data)  # the parent's pool has threads now
+    pid = os.fork()
+    if pid == 0:  # child: the inherited pool has no threads; decode must not hang
+        code = 0 if fmt._HASH_POOL is None and fmt.decode(data).sha256 == hashlib.sha256(data).hexdigest() else 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0

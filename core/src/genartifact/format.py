@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -327,7 +329,10 @@ def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | Non
                     f"{encoded_size_bound(limit)}")
     data = bytes(data)
     read_prelude(data)
-    frame = data[PRELUDE_SIZE:]
+    # hash while decompressing: SHA-256 of the exact stored bytes runs in a helper thread (hashlib and zstd
+    # both release the GIL), so on two or more cores the digest costs no wall time
+    digest = _hash_async(data)
+    frame = memoryview(data)[PRELUDE_SIZE:]  # no copy of the compressed frame
     try:
         params = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as e:
@@ -355,7 +360,37 @@ def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | Non
         # a safety net: every structural check below is explicit, but hostile manifests must never surface
         # as anything but a format error
         raise _fail(f"malformed manifest ({type(e).__name__})") from None
-    return Artifact(manifest=manifest, tensors=views, sha256=hashlib.sha256(data).hexdigest(), byte_count=len(data))
+    return Artifact(manifest=manifest, tensors=views, sha256=digest(), byte_count=len(data))
+
+
+#: objects at least this large (bytes) are hashed in a helper thread during decompression; smaller ones inline
+PARALLEL_HASH_BYTES = 1 << 20
+_HASH_POOL: Any = None
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def _reset_hash_pool() -> None:  # a forked child inherits the pool object but not its threads
+    global _HASH_POOL
+    _HASH_POOL = None
+
+
+os.register_at_fork(after_in_child=_reset_hash_pool)
+
+
+def _hash_async(data: bytes) -> Any:
+    """A callable returning the SHA-256 hex digest of ``data``: computed in a helper thread (two at most,
+    shared by all decodes of the process) for objects of at least :data:`PARALLEL_HASH_BYTES`, else inline."""
+    global _HASH_POOL
+    if len(data) < PARALLEL_HASH_BYTES:
+        h = hashlib.sha256(data).hexdigest()
+        return lambda: h
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genartifact-sha256")
+        fut = _HASH_POOL.submit(lambda: hashlib.sha256(data).hexdigest())
+    return fut.result
 
 
 def _frame_end(frame: bytes, has_checksum: bool) -> int:

@@ -181,7 +181,7 @@ async def _open(target: ReadableTarget, ref: ArtifactRef, decoded_limit: int) ->
         # ObjectTooLargeError (the target's read-back): the stored object is longer than the receipt says
         check = "byte_count" if type(e).__name__ == "ObjectTooLargeError" and ref.byte_count is not None else "fetch"
         raise LoadError(str(e), check=check, object_id=ref.object_id) from None
-    except (OSError, TimeoutError) as e:  # FileNotFoundError, connection errors: the type, never provider text
+    except Exception as e:  # noqa: BLE001 - per-item isolation; the type only, provider text may hold secrets
         raise LoadError(f"read failed ({type(e).__name__})", check="fetch", object_id=ref.object_id) from None
     if not isinstance(data, bytes | bytearray | memoryview):
         raise LoadError(f"target returned {type(data).__name__}, not bytes", check="fetch", object_id=ref.object_id)
@@ -490,7 +490,7 @@ def _layout_fn(layout: str | Callable[[fmt.Artifact], Any], kwargs: Mapping[str,
 
 async def aload_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], target: ReadableTarget, *,
                       layout: str | Callable[[fmt.Artifact], Any] = "artifact",
-                      max_concurrency: int = 16, max_bytes_in_flight: int = 256 << 20,
+                      max_concurrency: int = 16, max_bytes_in_flight: int = 256 << 20, max_decodes: int = 2,
                       max_decoded_bytes: int | None = None, progress: bool | None = None,
                       **layout_kwargs: Any) -> BatchResult:
     """Fetch, verify, decode and lay out many artifacts (a GRPO group, a micro-batch), in input order.
@@ -498,8 +498,10 @@ async def aload_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
     Bounds: at most ``max_concurrency`` reads outstanding, and fetched-but-not-yet-decoded bytes at most
     ``max_bytes_in_flight`` (bytes; reserved before each read from the receipt's ``byte_count``, or the
     largest valid object for a bare id; an object larger than the whole bound is read alone). Decoding runs in
-    a worker thread while other reads proceed; its transient memory is one decoded body (<= the decoded limit)
-    per concurrent decode. Results (the layout outputs) are what the caller keeps.
+    worker threads (at most ``max_decodes`` at once) while other reads proceed; its transient memory is one
+    decoded body (<= the decoded limit) per concurrent decode. Peak memory is therefore about
+    ``max_bytes_in_flight + max_decodes x decoded body size`` plus the results (the layout outputs), which are
+    what the caller keeps (measured: ``benchmarks/bench_load.py``).
 
     ``layout``: one of ``"verl"``, ``"slime"``, ``"nemo_rl"``, ``"raw"``, ``"artifact"`` (the decoded
     :class:`~genartifact.format.Artifact`) or a callable; ``layout_kwargs`` go to the layout function (e.g.
@@ -510,10 +512,11 @@ async def aload_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
     """
     refs_in = list(items)
     fn = _layout_fn(layout, layout_kwargs)
-    if max_concurrency < 1 or max_bytes_in_flight < 1:
-        raise ValueError("max_concurrency and max_bytes_in_flight must be >= 1")
+    if max_concurrency < 1 or max_bytes_in_flight < 1 or max_decodes < 1:
+        raise ValueError("max_concurrency, max_bytes_in_flight and max_decodes must be >= 1")
     limit = _decoded_limit(max_decoded_bytes)
     budget, sem = _ByteBudget(max_bytes_in_flight), asyncio.Semaphore(max_concurrency)
+    decoders = asyncio.Semaphore(max_decodes)
     out: list[Any] = [None] * len(refs_in)
     errors: dict[int, LoadError] = {}
     fetched = 0
@@ -533,14 +536,11 @@ async def aload_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
                 async with sem:
                     data = await _open(target, ref, limit)
                 fetched += len(data)
-                art = await asyncio.to_thread(verify_bytes, ref, data, max_decoded_bytes=max_decoded_bytes)
+                async with decoders:
+                    out[i] = await asyncio.to_thread(_decode_and_layout, ref, data, fn, max_decoded_bytes)
                 del data
             finally:
                 await budget.release(need)
-            try:
-                out[i] = fn(art)
-            except GenartifactError as e:
-                raise LoadError(str(e), check="layout", object_id=ref.object_id) from None
         except LoadError as e:
             errors[i] = LoadError(e.message, check=e.check, index=i, object_id=e.object_id)
         finally:
@@ -553,6 +553,15 @@ async def aload_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
         if bar is not None:
             bar.close()
     return BatchResult(out, [errors[i] for i in sorted(errors)], fetched, budget.peak)
+
+
+def _decode_and_layout(ref: ArtifactRef, data: bytes, fn: Callable[[fmt.Artifact], Any],
+                       max_decoded_bytes: int | None) -> Any:
+    art = verify_bytes(ref, data, max_decoded_bytes=max_decoded_bytes)
+    try:
+        return fn(art)
+    except GenartifactError as e:
+        raise LoadError(str(e), check="layout", object_id=ref.object_id) from None
 
 
 def load_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], target: ReadableTarget, **kwargs: Any) -> BatchResult:

@@ -8,6 +8,7 @@ import importlib.metadata as md
 import time
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
 import structlog
 from genartifact.errors import ConfigError, DeliveryError, TargetError
@@ -20,6 +21,8 @@ DNS = {
     "internal.example.com": "10.0.0.5",
     "meta.example.com": "169.254.169.254",
     "v6local.example.com": "::1",
+    "mixed.example.com": ["93.184.216.34", "10.0.0.5"],  # a public and a private answer
+    "mixed6.example.com": ["93.184.216.34", "2606:4700::1", "fe80::1"],
 }
 
 
@@ -27,7 +30,8 @@ def resolver(host, port, type=None):  # noqa: A002 - mirrors socket.getaddrinfo
     resolver.calls.append(host)
     if host not in DNS:
         raise OSError("no such host")
-    return [(None, None, None, "", (DNS[host], port))]
+    addrs = DNS[host] if isinstance(DNS[host], list) else [DNS[host]]
+    return [(None, None, None, "", (a, port)) for a in addrs]
 
 
 resolver.calls = []
@@ -36,7 +40,8 @@ resolver.calls = []
 def settings(fault=None, **kw):
     base = {"allowed_hosts": ["bucket.example.com", "internal.example.com", "meta.example.com", "v6local.example.com",
                               "10.0.0.1", "169.254.169.254", "[::1]", "[::ffff:127.0.0.1]", "s3.example.com:8443",
-                              "[fec0::1]", "[2002:7f00:1::1]", "[2002:a9fe:a9fe::1]"],
+                              "[fec0::1]", "[2002:7f00:1::1]", "[2002:a9fe:a9fe::1]",
+                              "mixed.example.com", "mixed6.example.com"],
             "insecure_http_hosts": [fault.authority] if fault else [], "max_attempts": 3, "backoff_base_s": 0.01,
             "read_timeout_s": 1.0, "total_timeout_s": 5.0}
     base.update(kw)
@@ -275,9 +280,25 @@ def test_connect_refused_retries_then_fails():
     port = s.getsockname()[1]
     s.close()
     t = PresignedHttpPutTarget(settings(None, insecure_http_hosts=[f"127.0.0.1:{port}"]))
+    sent = []
+
+    class Counting(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request):
+            sent.append(request.method)
+            return await super().handle_async_request(request)
+
+    t = PresignedHttpPutTarget(t.settings, transport=Counting())
     with pytest.raises(DeliveryError) as e:
         put(t, grant(url=f"http://127.0.0.1:{port}/k"))
     assert e.value.code == "delivery_failed"
+    assert sent == ["PUT"] * 3  # max_attempts=3: nothing was sent, so every connect error is retried
+
+
+@pytest.mark.parametrize("host", ["mixed.example.com", "mixed6.example.com"])
+def test_every_dns_answer_is_checked_not_only_the_first(host):
+    t = PresignedHttpPutTarget(settings())
+    with pytest.raises(TargetError, match="non-global address"):
+        t.validate(grant(url=f"https://{host}/a/key?{SECRET}"))
 
 
 def test_expiry_rechecked_before_sending(fault_server, monkeypatch):

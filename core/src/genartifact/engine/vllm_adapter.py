@@ -413,6 +413,11 @@ def engine_options(host: PluginHost, model_dir: str, overrides: Mapping[str, Any
     else:
         opts["worker_extension_cls"] = QUALNAME
     host.hooks.engine_options(options=opts, worker_capture=worker_capture)
+    for key, wanted in overrides.items():  # a requested-but-overridden option is never silent
+        if key in opts and opts[key] != wanted:
+            log.warning("engine_option_overridden", option=key, requested=wanted, effective=opts[key],
+                        detail=f"{key}={wanted!r} was changed to {opts[key]!r} by an enabled content plugin "
+                               f"({', '.join(p.name for p in host.enabled['contents'])}) that cannot work with it")
     return opts
 
 

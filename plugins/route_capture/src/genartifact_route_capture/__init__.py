@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pluggy
+import structlog
 from genartifact.engine.worker_ext import discard_capture, fetch_capture
 from genartifact.errors import AdmissionError, CaptureError
 from genartifact.format import TensorPart
@@ -186,12 +187,10 @@ def genartifact_engine_options(options: dict[str, Any], worker_capture: bool) ->
     if not worker_capture or options.get("enable_return_routed_experts"):
         return
     if options.get("enable_prefix_caching") is not False:
-        import structlog
-
         structlog.get_logger("genartifact.route_capture").warning(
             "prefix_caching_disabled", option="enable_prefix_caching", was=options.get("enable_prefix_caching"),
-            reason="moe_routes worker capture records routes only for tokens the engine computes; prefix-cached "
-                   "tokens are never recomputed, so their routes would be missing")
+            reason="moe_routes worker capture never sees prefix-cached tokens (they are not recomputed); keep "
+                   "prefix caching with an engine that returns routes natively (enable_return_routed_experts=True)")
     options["enable_prefix_caching"] = False
 
 
