@@ -49,6 +49,26 @@ def copy_repo(dst: Path) -> None:
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
 
 
+def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) (row 1-based, col) of every type annotation: with ``from __future__ import annotations``
+    annotations are never evaluated, so a mutant inside one is equivalent by construction and is not run."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    spans = []
+    for node in ast.walk(tree):
+        anns = []
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            anns.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
+            anns.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            anns.append(node.annotation)
+        for a in anns:
+            spans.append(((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)))  # rows 1-based, as cosmic-ray
+    return spans
+
+
 def run_module(name: str, sample: int, seed: int, work: Path, timeout: float) -> dict:
     module, tests = MODULES[name]
     cfg = work / f"{name}.toml"
@@ -60,6 +80,12 @@ def run_module(name: str, sample: int, seed: int, work: Path, timeout: float) ->
            "GENARTIFACT_FUZZ_EXAMPLES": os.environ.get("GENARTIFACT_FUZZ_EXAMPLES", "100")}
     subprocess.run(["cosmic-ray", "init", str(cfg), str(db)], cwd=work, env=env, check=True, capture_output=True)
     con = sqlite3.connect(db)
+    spans = annotation_spans(work / module)
+    equivalent = [job for job, row, col in con.execute("select job_id, start_pos_row, start_pos_col from mutation_specs")
+                  if any(a <= (row, col) < b for a, b in spans)]
+    con.executemany("delete from mutation_specs where job_id = ?", [(j,) for j in equivalent])
+    con.executemany("delete from work_items where job_id = ?", [(j,) for j in equivalent])
+    con.commit()
     ids = [r[0] for r in con.execute("select job_id from work_items")]
     total = len(ids)
     if sample and sample < total:
@@ -78,7 +104,7 @@ def run_module(name: str, sample: int, seed: int, work: Path, timeout: float) ->
     killed = sum(1 for r in rows if r[0] in ("killed", "TestOutcome.KILLED"))
     incompetent = sum(1 for r in rows if "incompetent" in str(r[0]).lower())
     survived = [(r[1], r[2]) for r in rows if "survived" in str(r[0]).lower()]
-    return {"module": module, "mutants_total": total, "run": len(rows), "killed": killed, "incompetent": incompetent,
+    return {"module": module, "mutants_total": total, "annotation_mutants_skipped": len(equivalent), "run": len(rows), "killed": killed, "incompetent": incompetent,
             "survived": sorted(survived, key=lambda x: x[1]), "seconds": round(time.time() - t0)}
 
 
@@ -89,7 +115,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args()
-    lines = ["| module | mutants (total) | run | killed | incompetent | survived | score | s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| module | mutants (total, annotations excluded) | run | killed | incompetent | survived | score | s |",
+             "|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="ga-mutation-") as tmp:
         work = Path(tmp)
         copy_repo(work)
@@ -101,7 +128,8 @@ def main() -> int:
                          f"{r['incompetent']} | {len(r['survived'])} | {score:.0%} | {r['seconds']} |")
             print(lines[-1], flush=True)
             for op, row in r["survived"]:
-                print(f"    survived: line {row + 1}: {op}", flush=True)
+                src = (work / r["module"]).read_text().splitlines()[row - 1].strip()
+                print(f"    survived: line {row}: {op}: {src[:100]}", flush=True)
     (ROOT / "mutation" / "last-report.md").write_text("\n".join(lines) + "\n")
     return 0
 
