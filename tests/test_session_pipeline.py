@@ -312,7 +312,7 @@ async def test_missing_worker_rows_fail_receipt_and_store_nothing(host):
     full = np.zeros((4, 5, 2), np.uint8)
     r = await s.finalize(FakeEngine(full, missing=[0, 2]))
     assert r == {"format": "generation_artifact_v1", "contents": ["moe_routes"], "state": "failed",
-                 "error_code": "capture_invalid", "error": "captured engine data violated the admitted bounds"}
+                 "target": "managed_fsspec", "error_code": "capture_invalid", "error": "captured engine data violated the admitted bounds"}
     key = s.request.target["object_key"]
     assert not mem_exists(f"mem:{key}")
 

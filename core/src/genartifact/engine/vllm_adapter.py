@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -183,6 +184,8 @@ class VllmEngine:
                 new_logprobs=_sample_logprobs(c.logprobs, len(ids)),
                 routed_experts=getattr(c, "routed_experts", None),
                 finished=bool(out.finished),
+                finish_reason=c.finish_reason,
+                arrival_ns=time.monotonic_ns(),
             ), c
 
     def prepare(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
@@ -224,8 +227,9 @@ class VllmEngine:
         in vLLM and releases every capture (worker rows included); an upload already started finishes in the
         background (journaled)."""
         session, completion, finish = prep.session, [], None
+        per_step = stream or (session is not None and session.per_step_deltas)  # a content may need every step
         try:
-            async for delta, c in self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not stream):
+            async for delta, c in self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not per_step):
                 completion.extend(delta.new_token_ids)
                 if session is not None:
                     session.record_or_fail(delta)

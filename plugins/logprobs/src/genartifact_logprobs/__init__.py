@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pluggy
-from genartifact.errors import AdmissionError, CaptureError
+from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
 from genartifact.format import TensorPart
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 
@@ -131,9 +131,51 @@ class SelectedLogprobs:
         self._values = array.array("f")
 
 
+class SelectedLogprobsReader:
+    """Strict decode-side checks, typed view and ``inspect`` summary of ``selected_logprobs``: section
+    ``{"token_start": P}``; tensor ``selected_logprobs.logprobs`` ``f32 [C]``, finite or -inf (no NaN, no +inf)."""
+
+    def validate(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
+        p, c = manifest["prompt_token_count"], manifest["completion_token_count"]
+        extra = set(tensors) - {f"{NAME}.logprobs"}
+        if extra:
+            raise ArtifactFormatError(f"selected_logprobs has unknown tensor(s) {sorted(extra)}; "
+                                      f"allowed: ['selected_logprobs.logprobs']")
+        lp = tensors.get(f"{NAME}.logprobs")
+        if lp is None or lp.dtype != np.float32 or lp.shape != (c,):
+            raise ArtifactFormatError(f"selected_logprobs.logprobs must be f32 [{c}]")
+        if s.get("token_start") != p or set(s) != {"token_start"}:
+            raise ArtifactFormatError(f"selected_logprobs section must be {{'token_start': {p}}} (prompt_token_count)")
+        bad = np.nonzero(np.isnan(lp) | (lp > 0) & np.isinf(lp))[0]
+        if bad.size:
+            raise ArtifactFormatError(
+                f"selected_logprobs[{int(bad[0])}] is {float(lp[bad[0]])}; only finite values and -inf are allowed")
+
+    def view(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        """``float32 [completion_token_count]``: logprob of each sampled token."""
+        return tensors[f"{NAME}.logprobs"]
+
+    def summary(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        lp = self.view(manifest, s, tensors)
+        finite = lp[np.isfinite(lp)]
+        return {"count": int(lp.size), "mean": float(finite.mean()) if finite.size else None,
+                "neg_inf": int(np.isneginf(lp).sum())}
+
+    def summary_text(self, summary: Mapping[str, Any]) -> str:
+        return f"{summary['count']} values, mean {summary['mean']}"
+
+
+READER = SelectedLogprobsReader()
+
+
 @hookimpl
 def genartifact_content_producer(name: str, model: ModelInfo) -> SelectedLogprobs | None:
     return SelectedLogprobs(model) if name == NAME else None
+
+
+@hookimpl
+def genartifact_content_reader(name: str) -> SelectedLogprobsReader | None:
+    return READER if name == NAME else None
 
 
 @hookimpl

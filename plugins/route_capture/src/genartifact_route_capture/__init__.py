@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import pluggy
 import structlog
-from genartifact.errors import AdmissionError, CaptureError
-from genartifact.format import TensorPart
+from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
+from genartifact.format import DTYPES, TensorPart, route_dtype_code
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 
 from genartifact_route_capture.layout import RouterLayout, resolve_layout
@@ -175,9 +175,85 @@ class MoeRoutes:
         self._routes = None
 
 
+class MoeRoutesReader:
+    """Strict decode-side checks, typed view and ``inspect`` summary of ``moe_routes`` (no engine imports).
+
+    Section keys: ``token_start`` (int, 0..P), ``router_ids`` (ascending unique ints), ``expert_counts`` (ints
+    1..65536, one per router), ``top_k`` (int >= 1), ``layout`` (``"router_major"``), ``source`` (optional).
+    Tensor ``moe_routes.expert_ids``: ``[routers, rows, top_k]`` with rows = ``P + C - 1 - token_start``, dtype
+    ``u8`` when every router has <= 256 experts else ``u16``, each id < its router's expert count."""
+
+    def validate(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
+        p, c = manifest["prompt_token_count"], manifest["completion_token_count"]
+        need = {"token_start", "router_ids", "expert_counts", "top_k", "layout"}
+        if not need <= set(s):
+            raise ArtifactFormatError(f"moe_routes section needs keys {sorted(need)}")
+        extra = set(tensors) - {f"{NAME}.expert_ids"}
+        if extra:
+            raise ArtifactFormatError(f"moe_routes has unknown tensor(s) {sorted(extra)}; allowed: ['moe_routes.expert_ids']")
+        ids = tensors.get(f"{NAME}.expert_ids")
+        if ids is None or ids.ndim != 3:
+            raise ArtifactFormatError("moe_routes.expert_ids must exist with rank 3 [routers, rows, top_k]")
+        routers, rows, k = ids.shape
+        start = s["token_start"]
+        if s["layout"] != "router_major":
+            raise ArtifactFormatError(f"moe_routes layout {s['layout']!r}; allowed: 'router_major'")
+        if not _is_int(start) or not 0 <= start <= p:
+            raise ArtifactFormatError(f"moe_routes token_start {start!r} out of range 0..{p}")
+        if rows != max(0, p + c - 1 - start):
+            raise ArtifactFormatError(
+                f"moe_routes rows {rows} != prompt + completion - 1 - token_start = {max(0, p + c - 1 - start)}")
+        rid, ec = s["router_ids"], s["expert_counts"]
+        if not (isinstance(rid, list) and isinstance(ec, list) and len(rid) == len(ec) == routers and routers > 0):
+            raise ArtifactFormatError(f"router_ids/expert_counts must list {routers} routers")
+        if not all(_is_int(x) and x >= 0 for x in rid) or rid != sorted(set(rid)):
+            raise ArtifactFormatError("router_ids must be unique, ascending, non-negative integers")
+        if not all(_is_int(x) and 1 <= x <= 65536 for x in ec):
+            raise ArtifactFormatError("expert_counts must be in 1..65536")
+        if not _is_int(s["top_k"]) or s["top_k"] != k or k < 1:
+            raise ArtifactFormatError(f"moe_routes top_k {s['top_k']!r} != tensor top_k {k}")
+        code = route_dtype_code(max(ec))
+        if ids.dtype != DTYPES[code]:
+            raise ArtifactFormatError(f"moe_routes.expert_ids dtype must be {code} for max expert count {max(ec)}")
+        if ids.size:
+            per_router_max = ids.reshape(routers, -1).max(axis=1)
+            bad = np.nonzero(per_router_max >= np.asarray(ec))[0]
+            if bad.size:
+                i = int(bad[0])
+                raise ArtifactFormatError(
+                    f"expert id {int(per_router_max[i])} out of range for router {rid[i]} with {ec[i]} experts")
+
+    def view(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Expert ids ``[rows, routers, top_k]`` (zero-copy transposed view; row i = position token_start + i)."""
+        return tensors[f"{NAME}.expert_ids"].transpose(1, 0, 2)
+
+    def summary(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        routes = self.view(manifest, s, tensors)
+        return {"rows": int(routes.shape[0]), "routers": s["router_ids"], "top_k": s["top_k"],
+                "token_start": s["token_start"], "source": s.get("source"),
+                "first_row": routes[0].tolist() if routes.shape[0] else []}
+
+    def summary_text(self, summary: Mapping[str, Any]) -> str:
+        r = summary
+        return (f"{r['rows']} rows x {len(r['routers'])} routers {r['routers']} x top-{r['top_k']}, "
+                f"start {r['token_start']}, source {r['source']}; row 0: {r['first_row']}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+READER = MoeRoutesReader()
+
+
 @hookimpl
 def genartifact_content_producer(name: str, model: ModelInfo) -> MoeRoutes | None:
     return MoeRoutes(model) if name == NAME else None
+
+
+@hookimpl
+def genartifact_content_reader(name: str) -> MoeRoutesReader | None:
+    return READER if name == NAME else None
 
 
 @hookimpl
