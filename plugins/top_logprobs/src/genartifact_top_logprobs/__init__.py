@@ -143,13 +143,6 @@ def genartifact_content_producer(name: str, model: ModelInfo) -> TopLogprobs | N
     return TopLogprobs(model) if name == NAME else None
 
 
-def _content_reader(name: str) -> Reader | None:
+@hookimpl
+def genartifact_content_reader(name: str) -> Reader | None:
     return Reader() if name == NAME else None
-
-
-# The reader hook exists once the host has content readers (genartifact_content_reader); registering an
-# implementation of a hook the installed host does not specify would be refused, so it is added only then.
-from genartifact import hookspecs as _specs  # noqa: E402
-
-if hasattr(_specs.ContentSpecs, "genartifact_content_reader"):
-    genartifact_content_reader = hookimpl(_content_reader)
