@@ -77,3 +77,30 @@ async def test_replay_check_passes_real_artifacts(engine, qwen_model, tmp_path, 
     print("replay-check on real artifacts:", json.dumps([
         {"sets": [x["set_agreement"] for x in a["layers"]], "ties": sum(x["near_ties"] for x in a["layers"]),
          "lp_max": a["logprobs"]["max_abs_diff"]} for a in doc["artifacts"]]))
+
+
+async def test_top_logprobs_equal_the_engines_own_output(engine, tmp_path):
+    from genartifact import format as fmt
+
+    ids = engine.tokenizer(TEXTS[2])["input_ids"]
+    k = 5
+    res = await engine.run(ids, {"max_tokens": 12, "temperature": 1.0, "logprobs": k}, spec(
+        ["moe_routes", "selected_logprobs", "top_logprobs"]), settings(tmp_path))
+    out = await ld.aload_batch([res.receipt], read_back(tmp_path))
+    assert out.ok, out.errors
+    art = out.items[0]
+    assert art.contents == ["moe_routes", "selected_logprobs", "top_logprobs"]
+    tids, tlps = ld.top_logprobs(art)
+    c = len(res.completion_token_ids)
+    assert tids.shape == tlps.shape == (c, k) and tids.dtype == np.uint32 and tlps.dtype == np.float32
+    for i, (tok, pos) in enumerate(zip(res.completion_token_ids, res.logprobs, strict=True)):
+        # the engine's own logprobs=k entry: the sampled token plus the top k (k + 1 entries if it is outside)
+        top = sorted(((t, v) for t, v in pos.items() if len(pos) == k or t != tok), key=lambda tv: -tv[1])
+        assert tids[i].tolist() == [t for t, _ in top]
+        assert tlps[i].tolist() == [np.float32(v) for _, v in top]  # bit-exact
+        assert art.selected_logprobs()[i] == np.float32(pos[tok])  # aligned with selected_logprobs
+    assert (np.diff(tlps, axis=1) <= 0).all()
+    assert fmt.decode(fmt.encode(fmt.ArtifactInput(art.token_ids, art.prompt_token_count, ["top_logprobs"],
+                                                   {"top_logprobs": art.manifest["sections"]["top_logprobs"]},
+                                                   [fmt.TensorPart("top_logprobs.logprobs", tlps),
+                                                    fmt.TensorPart("top_logprobs.token_ids", tids)])).data)

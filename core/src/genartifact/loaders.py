@@ -393,6 +393,19 @@ def packed(arts: Sequence[fmt.Artifact | Routes], *, num_layers: int | None = No
                   _backend(pc, backend))
 
 
+def top_logprobs(art: fmt.Artifact, *, backend: str = "numpy") -> tuple[Any, Any]:
+    """The ``top_logprobs`` content: ``(token_ids uint32 [C, k], logprobs float32 [C, k])``, row *i* = completion
+    position *i*, columns in rank order (descending logprob), aligned with ``selected_logprobs``. With
+    ``backend="torch"`` token ids come back as int64 (torch has no uint32 arithmetic). Raises
+    :class:`LayoutError` when the artifact has no ``top_logprobs`` content."""
+    if "top_logprobs" not in art.manifest["sections"]:
+        raise LayoutError(f"artifact has no top_logprobs content (contents: {art.contents})")
+    ids, lps = art.tensors["top_logprobs.token_ids"], art.tensors["top_logprobs.logprobs"]
+    if backend == "torch":
+        return _backend(ids.astype(np.int64), backend), _backend(np.array(lps), backend)
+    return _backend(ids, backend), _backend(lps, backend)
+
+
 # -------------------------------------------------------------------------------------- multi-turn
 
 
@@ -584,4 +597,4 @@ def open_target(kind: str = "managed_fsspec", config: str | None = None) -> Any:
 
 __all__ = ["CHECKS", "LAYOUTS", "ArtifactRef", "BatchResult", "LayoutError", "LoadError", "Packed", "RawRoutes",
            "ReadableTarget", "Routes", "aload_batch", "fetch", "fetch_sync", "load_batch", "nemo_rl", "open_target", "packed",
-           "raw", "ref_of", "slime", "stitch_turns", "verify_bytes", "verl"]
+           "raw", "ref_of", "slime", "stitch_turns", "top_logprobs", "verify_bytes", "verl"]

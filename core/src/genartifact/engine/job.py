@@ -37,7 +37,7 @@ from typing import Any
 import structlog
 
 from genartifact import config as config_mod
-from genartifact.errors import ConfigError, GenartifactError, RequestSpecError
+from genartifact.errors import ConfigError, GenartifactError, PluginFault, RequestSpecError
 from genartifact.host import PluginHost
 from genartifact.limits import max_decoded_bytes, pipeline_concurrency
 from genartifact.spec import parse_request
@@ -230,9 +230,13 @@ def read_receipts(path: str | Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def target_for(arg: str, run_id: str, index: int) -> dict[str, Any]:
-    """``--target``: ``managed_fsspec:PROFILE`` (key ``runs/<run_id>/<index>.gart``) or a JSON target object
-    (its ``object_key`` may contain ``{run_id}`` and ``{index}``). Raises :class:`RequestSpecError`."""
+def target_for(arg: str, run_id: str, index: int, host: PluginHost | None = None) -> dict[str, Any]:
+    """``--target``: a JSON target object, or ``KIND:VALUE`` shorthand expanded by the target plugin of KIND
+    (``genartifact_target_shorthand``; e.g. ``managed_fsspec:PROFILE`` -> key ``runs/<run_id>/<index>.gart``).
+
+    Templating (every target kind alike): in a JSON target, every top-level string value may use
+    ``{run_id}`` and ``{index}`` (5-digit zero-padded request index); ``{{``/``}}`` are literal braces.
+    Raises :class:`RequestSpecError`."""
     if arg.lstrip().startswith("{"):
         try:
             t = json.loads(arg, parse_constant=_no_constants)
@@ -240,41 +244,72 @@ def target_for(arg: str, run_id: str, index: int) -> dict[str, Any]:
             raise RequestSpecError(f"--target is not valid JSON: {getattr(e, 'msg', e)}") from None
         if not isinstance(t, dict):
             raise RequestSpecError("--target JSON must be an object")
-        if isinstance(t.get("object_key"), str):
-            try:
-                t["object_key"] = t["object_key"].format(run_id=run_id, index=f"{index:05d}")
-            except (KeyError, IndexError, ValueError):
-                raise RequestSpecError("--target object_key may only use the placeholders {run_id} and {index}") from None
+        for k, v in t.items():
+            if isinstance(v, str) and k != "kind":
+                try:
+                    t[k] = v.format(run_id=run_id, index=f"{index:05d}")
+                except (KeyError, IndexError, ValueError, AttributeError):
+                    raise RequestSpecError(f"--target {k}: only the placeholders {{run_id}} and {{index}} are "
+                                           f"allowed (write literal braces as {{{{ and }}}})") from None
         return t
-    kind, _, profile = arg.partition(":")
-    if kind != "managed_fsspec" or not profile:
-        raise RequestSpecError(f"--target {arg!r}: shorthand is managed_fsspec:PROFILE, else pass a JSON target object")
-    return {"kind": kind, "profile": profile, "object_key": f"runs/{run_id}/{index:05d}.gart"}
+    kind, _, value = arg.partition(":")
+    kind = kind.strip().replace("-", "_")
+    if not value:
+        raise RequestSpecError(f"--target {arg!r}: give KIND:VALUE (a target plugin's shorthand) or a JSON target object")
+    t = None
+    if host is not None:
+        host.require("targets", kind, "--target")
+        t = host.hooks.target_shorthand(kind=kind, value=value, run_id=run_id, index=index)
+    if t is None:
+        raise RequestSpecError(f"--target {arg!r}: target kind {kind!r} has no KIND:VALUE shorthand; pass a JSON "
+                               f"target object")
+    return t
 
 
 def check_target_tables(cfg: config_mod.Config, host: PluginHost) -> dict[str, Any]:
     """Build every enabled target from its settings (raises ``ConfigError`` on bad settings) and reject
-    settings tables for target kinds that no installed plugin provides."""
+    settings tables for target kinds that no installed plugin provides. A target factory that faults (a plugin
+    bug, :class:`PluginFault`) maps its kind to the fault: only requests for that kind fail."""
     installed = host.installed("targets")
     unknown = sorted(set(cfg.targets) - set(installed))
     if unknown:
         raise ConfigError(f"{cfg.source}: [targets.{unknown[0]}] names no installed target kind; installed: {sorted(installed)}")
     settings = cfg.target_settings()
-    return {p.name: host.hooks.storage_target(kind=p.name, settings=settings.get(p.name, {}))
-            for p in host.enabled["targets"]}
+    out: dict[str, Any] = {}
+    for p in host.enabled["targets"]:
+        try:
+            out[p.name] = host.hooks.storage_target(kind=p.name, settings=settings.get(p.name, {}))
+        except PluginFault as e:
+            out[p.name] = e
+    return out
+
+
+def _fault_receipt(i: int, spec: Mapping[str, Any] | None) -> dict[str, Any]:
+    from genartifact.session import fault_receipt
+
+    try:
+        req = parse_request(spec) if spec is not None else None
+    except GenartifactError:
+        req = None
+    return {"index": i, **fault_receipt(req, PluginFault(""))}
 
 
 def preflight_row(host: PluginHost, targets: Mapping[str, Any], row: Mapping[str, Any], contents: list[str],
                   target_arg: str, run_id: str, index: int) -> dict[str, Any]:
     """The row's validated request spec; raises :class:`GenartifactError` (nothing is sent anywhere)."""
-    tgt = dict(row["target"]) if "target" in row else target_for(target_arg, run_id, index)
+    tgt = dict(row["target"]) if "target" in row else target_for(target_arg, run_id, index, host)
     spec = {"format": "generation_artifact_v1", "contents": row.get("contents", contents), "codec": "zstd",
             "delivery": {"mode": "object_store", "target": tgt}}
     req = parse_request(spec)
     for c in req.contents:
         host.require("contents", c, "generation_artifact.contents")
     host.require("targets", req.target_kind, "generation_artifact.delivery.target.kind")
-    targets[req.target_kind].validate(req.target)
+    target = targets[req.target_kind]
+    if isinstance(target, PluginFault):
+        raise target
+    if target is None:
+        raise RequestSpecError(f"target kind '{req.target_kind}': its plugin returned no target")
+    target.validate(req.target)
     return spec
 
 
@@ -298,7 +333,7 @@ async def _recover_from_journal(targets: Mapping[str, Any], spec: Mapping[str, A
     None. Targets that cannot read back (presigned grants) recover nothing."""
     kind = spec["delivery"]["target"].get("kind")
     target = targets.get(kind)
-    if target is None or not hasattr(target, "open"):
+    if target is None or isinstance(target, PluginFault) or not hasattr(target, "open"):
         return None
     from genartifact.errors import TargetError
 
@@ -317,7 +352,7 @@ async def _recover_from_journal(targets: Mapping[str, Any], spec: Mapping[str, A
                     await asyncio.to_thread(journal.outcome, d["id"], "ready")
                 except OSError:
                     pass
-            return {"format": spec["format"], "contents": sorted(spec["contents"]), "state": "ready",
+            return {"format": spec["format"], "contents": sorted(spec["contents"]), "state": "ready", "target": kind,
                     "byte_count": len(data), "sha256": d["sha256"], "object_id": object_id,
                     "recovered": "read_back"}
     return None
@@ -336,7 +371,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
 
     done = done or {}
     stop = stop if stop is not None else {}
-    host = PluginHost(cfg.plugins)
+    host = cfg.host()
     targets = check_target_tables(cfg, host)
     settings = cfg.target_settings()
     journal = cfg.journal()
@@ -356,6 +391,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
             continue
         try:
             specs[i] = preflight_row(host, targets, row, contents, target, run_id, i)
+        except PluginFault:  # logged naming the plugin; this request fails, the others run
+            emit(i, _fault_receipt(i, None))
         except (GenartifactError, ValueError, TypeError, OverflowError) as e:
             emit(i, {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(e)})
     if done and specs:  # --resume: objects a crashed run stored are recognised by SHA-256 read-back
@@ -428,6 +465,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
                 assert res is not None
                 receipt = dict(res.receipt or {})
                 receipt.update(index=i, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
+            except PluginFault:  # a plugin broke its contract at admission: logged naming it
+                receipt = _fault_receipt(i, specs[i])
             except GenartifactError as e:  # refused before inference: specific message, nothing stored
                 receipt = {"index": i, "state": "rejected", "error_code": "admission_rejected", "error": str(e)}
             except (ValueError, TypeError) as e:  # the engine's own request validation (before generation)
@@ -485,8 +524,9 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     if not RUN_ID.fullmatch(run_id):
         raise RequestSpecError(f"--run-id {run_id!r} invalid; allowed: 1..128 of [A-Za-z0-9_.-], starting alphanumeric")
-    check_target_tables(cfg, PluginHost(cfg.plugins))  # plugin and target settings fail now
-    target_for(args.target, run_id, 0)  # and a malformed --target
+    host = cfg.host()
+    check_target_tables(cfg, host)  # plugin and target settings fail now
+    target_for(args.target, run_id, 0, host)  # and a malformed --target
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise RequestSpecError(f"--model {args.model!r} is not a model directory (no config.json)")

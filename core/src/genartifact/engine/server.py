@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from genartifact import config as config_mod
 from genartifact.engine.tiny_model import CHAT_TEMPLATE
 from genartifact.engine.vllm_adapter import RequestResult, VllmEngine
-from genartifact.errors import GenartifactError, RequestSpecError
+from genartifact.errors import GenartifactError, PluginFault, RequestSpecError
 from genartifact.host import PluginHost
 from genartifact.limits import pipeline_concurrency
 
@@ -265,6 +265,9 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
         reason = type(e).__name__
         srv.metrics.requests.labels("rejected", reason).inc()
         msg = str(e)
+        if isinstance(e, PluginFault):  # a plugin bug, not the client's: 500, details only in the server log
+            return _error(500, "generation artifact failed: a plugin raised an internal error (see the server log)",
+                          None, "internal_error")
         return _error(413 if isinstance(e, BodyTooLarge) else 400, msg, _field(msg))
 
     @app.get("/health")
@@ -456,7 +459,7 @@ def run_serve_cli(args: Any) -> int:
     import uvicorn
 
     cfg = config_mod.load(args.config)
-    host = PluginHost(cfg.plugins)
+    host = cfg.host()
     from genartifact.engine.engine_args import command_engine_kwargs
     from genartifact.engine.job import check_target_tables
 
