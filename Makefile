@@ -7,7 +7,7 @@ MODEL  ?= .models/tiny-qwen3-moe
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench mutation fuzz clean
 
 $(STAMP): requirements-dev.txt core/pyproject.toml plugins/*/pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,12 +30,21 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check core plugins tests benchmarks
+	$(VENV)/bin/ruff check core plugins tests benchmarks mutation
 
 bench: $(STAMP) $(MODEL)/model.safetensors
 	$(PY) benchmarks/bench_encode.py
 	$(PY) benchmarks/bench_compression.py --model $(MODEL)
 	$(PY) benchmarks/bench_capture_overhead.py --model $(MODEL)
+
+# mutation testing (cosmic-ray) of the safety-critical modules; SAMPLE=0 runs every mutant (hours)
+SAMPLE ?= 80
+mutation: $(STAMP)
+	$(PY) mutation/run.py --sample $(SAMPLE)
+
+# long-mode reader fuzz (structure-aware mutations + decompression bombs)
+fuzz: $(STAMP)
+	$(PY) benchmarks/bench_fuzz_reader.py --cases 200000
 
 clean:
 	rm -rf $(VENV) .models artifacts

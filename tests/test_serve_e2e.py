@@ -225,6 +225,26 @@ def test_client_disconnect_mid_stream_leaks_nothing(server):
     assert m["genartifact_inflight_requests"] == 0 and m["genartifact_pipeline_slots_in_use"] == 0
 
 
+def test_client_disconnect_non_streaming_aborts_and_stores_nothing(server):
+    """Issue 10 case 4: a non-streaming client that hangs up mid-generation aborts its request (same rules as
+    streaming): nothing is stored at its key, no slot or capture is held."""
+    art = artifact()
+    key = art["delivery"]["target"]["object_key"]
+    before = metrics(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server['base']}/v1/completions", json={"prompt": "x", "max_tokens": 1900, "ignore_eos": True,
+                                                             "generation_artifact": art}, timeout=httpx.Timeout(5, read=0.5))
+    deadline = time.time() + 20
+    while time.time() < deadline and metrics(server)["genartifact_inflight_requests"] > 0:
+        time.sleep(0.2)
+    m = metrics(server)
+    assert m["genartifact_inflight_requests"] == 0 and m["genartifact_pipeline_slots_in_use"] == 0
+    time.sleep(1.0)
+    assert not (server["root"] / "store" / key).exists()  # aborted before any upload
+    assert m.get('genartifact_requests_total{outcome="client_disconnected",reason=""}', 0) > \
+        before.get('genartifact_requests_total{outcome="client_disconnected",reason=""}', 0)
+
+
 def test_32_concurrent_streaming_clients(server):
     proc = psutil.Process(server["proc"].pid)
     before = metrics(server)

@@ -17,7 +17,9 @@ def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
     points = tmp_path / "points.json"
     points.write_text(json.dumps({"points": [{"phase": "prefill", "batch": 2, "tokens": 128},
                                              {"phase": "prefill", "batch": 1, "tokens": 64, "kv": 128},
-                                             {"phase": "decode", "batch": 2, "context": 64}]}))
+                                             {"phase": "decode", "batch": 2, "context": 64},
+                                             # 8 × 511 prompt tokens need >= 4 admission passes of 1024 tokens
+                                             {"phase": "decode", "batch": 8, "context": 512}]}))
     run_id = uuid.uuid4().hex
     procs = [subprocess.Popen([sys.executable, "-m", "genartifact.cli", "bench", "run", "--model", str(model),
                                "--points", str(points), "--out", str(tmp_path), "--dp-rank", str(r), "--dp-size", "2",
@@ -28,24 +30,31 @@ def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
         assert p.returncode == 0, out[-3000:]
     ranks = [json.loads((tmp_path / f"fpm_rank{r}.json").read_text()) for r in (0, 1)]
     for r, d in enumerate(ranks):
-        assert d["dp"] == {"rank": r, "size": 2} and d["coverage"]["completed_points"] == 3, d["coverage"]
+        assert d["dp"] == {"rank": r, "size": 2} and d["coverage"]["completed_points"] == 4, d["coverage"]
         assert d["capture_errors"] == {} and d["stream"]["gaps"] == 0
         assert all(x["dp_rank"] == r for x in d["points"])
         assert d["engine"]["worker_probe"]["responses"][0]["attention_backends"]
         kinds = [e["kind"] for e in d["warmup_evidence"]]
-        assert kinds[0] == "global" and kinds.count("shape_replica") == 3
+        assert kinds[0] == "global" and kinds.count("shape_replica") == 4
         assert all(e["status"] == "completed" and e["forward_range"] for e in d["warmup_evidence"])
     # same coordinates, different ranks -> different prompt content
     assert ranks[0]["points"][0]["prompts"]["sha256"] != ranks[1]["points"][0]["prompts"]["sha256"]
     kvpt = next(x for x in ranks[0]["points"] if x["point"]["kv"])
     measured = [kvpt["raw_samples"][i] for i in kvpt["estimate"]["raw_sample_indices"]]
     assert all(s["scheduled"]["sum_prefill_kv_tokens"] == 128 for s in measured)  # the prefix cache was hit
+    big = next(x for x in ranks[0]["points"] if x["key"] == "decode:b8:c512")
+    roles = [s["role"] for s in big["raw_samples"]]
+    assert roles.count("admission") >= 2 * 4  # admitted over several passes, in both executions
+    measured = [big["raw_samples"][i]["scheduled"] for i in big["estimate"]["raw_sample_indices"]]
+    assert len(measured) == 2 and all(s["num_decode_requests"] == 8 and s["num_prefill_requests"] == 0
+                                      for s in measured)
+    assert all(8 * 511 <= s["sum_decode_kv_tokens"] <= 8 * 511 + 8 * 8 for s in measured)
     merged = tmp_path / "merged.json"
     proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "merge", str(tmp_path / "fpm_rank0.json"),
                            str(tmp_path / "fpm_rank1.json"), "--out", str(merged)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     m = json.loads(merged.read_text())
-    assert m["dp"]["source_ranks"] == [0, 1] and len(m["points"]) == 6
+    assert m["dp"]["source_ranks"] == [0, 1] and len(m["points"]) == 8
     assert (tmp_path / m["worker_probe_path"]).exists()
     proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "report", str(merged), "--out",
                            str(tmp_path / "report")], capture_output=True, text=True)

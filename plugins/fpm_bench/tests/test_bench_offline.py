@@ -183,3 +183,50 @@ def test_write_once(tmp_path):
         write_once(tmp_path / "a.json", {"x": 2})
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_decode_admission_needs_many_passes_and_fits_or_is_excluded_before_running():
+    from genartifact_fpm_bench.grid import plan_grid
+
+    p = Point("decode", 16, context=512)  # the point that used to fail: 16 × 511 prompt tokens, 1024 per pass
+    adm = LIMITS.decode_admission_passes(p)
+    assert adm >= 8 + 1  # at least ceil(8176 / 1024) passes, +1 for a trailing chunk
+    assert LIMITS.decode_max_tokens(p, 3) == adm + 3 + 1
+    LIMITS.check(p, 3)
+    # a KV cache that holds 16 × 511 prompt tokens but not the tokens decoded over admission + measurement
+    tight = Limits(max_num_batched_tokens=1024, max_num_seqs=16, max_model_len=2048,
+                   kv_capacity_tokens=16 * 512, block_size=16, prefix_caching=True)
+    with pytest.raises(GridError, match="KV cache"):
+        tight.check(p, 3)
+    plan = plan_grid(tight, "decode")
+    assert all(tight.check(q, 3) is None for q in plan.points)
+    reasons = dict((q.key(), r) for q, r in plan.excluded)
+    assert "decode:b16:c512" in reasons and "KV cache" in reasons["decode:b16:c512"]
+    assert plan.excluded_dicts()[0].keys() == {"key", "reason"}
+    # thinning is said too, never silent
+    thin = plan_grid(LIMITS, "agg", max_points=10)
+    full = plan_grid(LIMITS, "agg", max_points=1000)
+    assert len(thin.points) == 10 and len(thin.points) + len(thin.excluded) == len(full.points) + len(full.excluded)
+    assert any("max_points=10" in r for _, r in thin.excluded)
+    # decode context + generated tokens must fit max_model_len
+    with pytest.raises(GridError, match="max_model_len"):
+        LIMITS.check(Point("decode", 1, context=2046), 3)
+
+
+def test_taken_fpm_port_is_one_error_line_before_the_engine(tmp_path, capsys):
+    """Issue 10: a taken FPM port is one ``error:`` line naming the port and the fix, before any engine start
+    (the model directory does not even exist, so reaching the engine would fail differently)."""
+    import socket
+
+    from genartifact.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        rc = main(["bench", "run", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "out"),
+                   "--port-base", str(port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith(f"error: FPM port 127.0.0.1:{port} is already in use"), err
+    assert "--port-base" in err[0]

@@ -1,12 +1,27 @@
-"""``genartifact bench run|merge|report`` (dispatched from the core CLI when this plugin is installed)."""
+"""``genartifact bench run|merge|fit|report``: a plugin command (entry point ``genartifact.commands: bench``),
+loaded by the core CLI only when ``bench`` runs."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
+import pluggy
 from genartifact.engine.engine_args import accept_engine_args
+
+hookimpl = pluggy.HookimplMarker("genartifact")
+
+
+@hookimpl
+def genartifact_command(name: str, parser: argparse.ArgumentParser) -> Callable[[Any], int] | None:
+    """Register ``bench``: its arguments on ``parser``; the handler is :func:`main`."""
+    if name != "bench":
+        return None
+    parser.description = "FPM self-benchmark: run a rank, merge ranks, render a report"
+    add_arguments(parser)
+    return main
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,15 +41,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = sub.add_parser("merge", help="merge rank artifacts (identity checks) into one merged artifact + sidecar")
     m.add_argument("ranks", nargs="+", help="rank artifact files")
     m.add_argument("--out", required=True, help="merged artifact path (must not exist)")
+    f = sub.add_parser("fit", help="fit a step-time model per phase (linear + interpolating), with holdout error")
+    f.add_argument("artifacts", nargs="+", help="rank or merged artifacts of one run (the grid)")
+    f.add_argument("--holdout", nargs="*", default=[], help="artifacts of off-grid points (bench run --points FILE)")
+    f.add_argument("--rank", type=int, default=None, help="fit one DP rank only (default: ranks pooled per point)")
+    f.add_argument("--out", required=True, help="model JSON path (must not exist)")
     rp = sub.add_parser("report", help="PNG plots and a Markdown summary of a rank or merged artifact")
     rp.add_argument("artifact")
     rp.add_argument("--out", required=True)
+    rp.add_argument("--model", help="a bench fit model JSON: fit lines and residual plots")
 
 
 def main(args: Any) -> int:
+    """Run one ``bench`` subcommand; a refused input (bad artifact, existing output) prints ``error: …`` to
+    stderr and returns 2."""
+    import sys
+
+    from genartifact_fpm_bench.artifact import MergeError
+    from genartifact_fpm_bench.fit import FitError
+    from genartifact_fpm_bench.grid import GridError
+
+    try:
+        return _main(args)
+    except (FitError, MergeError, GridError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: Any) -> int:
     if args.bench_cmd == "run":
         from genartifact import config as config_mod
         from genartifact.engine.engine_args import command_engine_kwargs
+
         from genartifact_fpm_bench.run import run_rank
 
         engine_kwargs = {"max_num_batched_tokens": 1024,
@@ -50,8 +88,16 @@ def main(args: Any) -> int:
         merged = merge(args.ranks, args.out)
         print(f"merged {len(args.ranks)} ranks, {len(merged['points'])} records -> {args.out} "
               f"(+ {merged['worker_probe_path']})")
+    elif args.bench_cmd == "fit":
+        from genartifact_fpm_bench.fit import fit, summary_lines, write_model
+
+        doc = fit(args.artifacts, args.holdout, rank=args.rank)
+        write_model(doc, args.out)
+        print("\n".join(summary_lines(doc)))
+        print(f"model: {args.out}")
     else:
         from genartifact_fpm_bench.report import report
 
-        print(f"report: {report(args.artifact, args.out)}")
+        md = report(args.artifact, args.out, model=args.model)
+        print(f"report: {md} and {md.with_name('report.html')}")
     return 0

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from genartifact.errors import GenartifactError
+
 PHASES = ("prefill", "decode")
 
 
-class GridError(ValueError):
+class GridError(GenartifactError, ValueError):
     """An explicit point is malformed or infeasible for the engine's limits (names the point and the limit)."""
 
 
@@ -50,8 +53,24 @@ class Limits:
     block_size: int
     prefix_caching: bool
 
-    def check(self, p: Point) -> None:
-        """Raise :class:`GridError` if ``p`` cannot be measured on this engine."""
+    def decode_admission_passes(self, p: Point) -> int:
+        """Upper bound on the forward passes that admit a decode point's prompts: ``batch × (context − 1)``
+        prompt tokens under a budget of ``max_num_batched_tokens`` per pass, of which requests already decoding
+        take up to ``batch − 1`` (vLLM V1 schedules running requests first, then chunks waiting prompts into what
+        is left); +1 for a request whose last chunk lands in a pass of its own."""
+        budget = max(1, self.max_num_batched_tokens - (p.batch - 1))
+        return math.ceil(p.batch * (p.context - 1) / budget) + 1
+
+    def decode_max_tokens(self, p: Point, repeats: int) -> int:
+        """Tokens each request of a decode point generates: enough that, after the slowest admission, the
+        whole batch still decodes together for ``repeats`` passes (the first-admitted request decodes during the
+        admission passes and finishes first)."""
+        return self.decode_admission_passes(p) + repeats + 1
+
+    def check(self, p: Point, repeats: int = 3) -> None:
+        """Raise :class:`GridError` if ``p`` cannot be measured on this engine (``repeats`` measured passes per
+        execution: a decode point's requests generate :meth:`decode_max_tokens` tokens, which must fit the model
+        length and, for the whole batch, the KV cache)."""
         if p.phase not in PHASES:
             raise GridError(f"point {p.key()}: phase {p.phase!r}; allowed: {list(PHASES)}")
         if p.batch < 1 or p.batch > self.max_num_seqs:
@@ -70,10 +89,17 @@ class Limits:
             if p.batch * (per + p.kv + 1) > self.kv_capacity_tokens:
                 raise GridError(f"point {p.key()}: exceeds the KV cache ({self.kv_capacity_tokens} tokens)")
         else:
-            if p.context < 2 or p.context + 2 > self.max_model_len:
-                raise GridError(f"point {p.key()}: context {p.context} outside 2..max_model_len-2={self.max_model_len - 2}")
-            if p.batch * (p.context + 2) > self.kv_capacity_tokens:
-                raise GridError(f"point {p.key()}: exceeds the KV cache ({self.kv_capacity_tokens} tokens)")
+            if p.context < 2:
+                raise GridError(f"point {p.key()}: context {p.context} < 2")
+            total = p.context - 1 + self.decode_max_tokens(p, repeats)
+            if total > self.max_model_len:
+                raise GridError(f"point {p.key()}: {total} tokens per request (context − 1 + "
+                                f"{self.decode_max_tokens(p, repeats)} generated over admission and {repeats} measured "
+                                f"passes) > max_model_len={self.max_model_len}")
+            blocks = math.ceil(total / self.block_size) * self.block_size
+            if p.batch * blocks > self.kv_capacity_tokens:
+                raise GridError(f"point {p.key()}: {p.batch} × {blocks} tokens (block-rounded) exceeds the KV cache "
+                                f"({self.kv_capacity_tokens} tokens)")
 
 
 def _pow2(lo: int, hi: int) -> list[int]:
@@ -84,40 +110,59 @@ def _pow2(lo: int, hi: int) -> list[int]:
     return out
 
 
-def build_grid(limits: Limits, mode: str, *, max_points: int = 64) -> list[Point]:
+@dataclass(frozen=True)
+class GridPlan:
+    """A default grid: ``points`` to run, and ``excluded`` — every candidate left out, with the reason (the
+    engine limit that makes it unreachable, or ``max_points`` thinning), known before anything runs."""
+
+    points: list[Point]
+    excluded: list[tuple[Point, str]]
+
+    def excluded_dicts(self) -> list[dict[str, str]]:
+        return [{"key": p.key(), "reason": r} for p, r in self.excluded]
+
+
+def plan_grid(limits: Limits, mode: str, *, max_points: int = 64, repeats: int = 3) -> GridPlan:
     """Default grid for ``mode`` (``prefill``, ``decode`` or ``agg`` = both), largest shapes first within a
-    phase (the largest points warm the allocator), every point feasible for ``limits``."""
+    phase (the largest points warm the allocator). Candidates: prefill batch 1, 2, 4 × total tokens 16·batch …
+    ``max_num_batched_tokens`` (powers of 2) × KV-read 0 and one block (with prefix caching); decode batch
+    1 … min(max_num_seqs, 16) × context 16 … max_model_len/2 (powers of 2). Every kept point passes
+    :meth:`Limits.check` for ``repeats``; the others are in ``excluded`` with the limit's message."""
     if mode not in ("prefill", "decode", "agg"):
         raise GridError(f"mode {mode!r}; allowed: prefill, decode, agg")
-    points: list[Point] = []
+    candidates: list[Point] = []
     if mode in ("prefill", "agg"):
         kvs = [0] + ([limits.block_size] if limits.prefix_caching else [])
-        for b in (1, 2, 4):
-            for t in _pow2(16 * b, limits.max_num_batched_tokens):
-                for kv in kvs:
-                    p = Point("prefill", b, tokens=t, kv=kv)
-                    try:
-                        limits.check(p)
-                    except GridError:
-                        continue
-                    points.append(p)
+        candidates += [Point("prefill", b, tokens=t, kv=kv) for b in (1, 2, 4)
+                       for t in _pow2(16 * b, limits.max_num_batched_tokens) for kv in kvs]
     if mode in ("decode", "agg"):
-        for b in _pow2(1, min(limits.max_num_seqs, 16)):
-            for c in _pow2(16, limits.max_model_len // 2):
-                p = Point("decode", b, context=c)
-                try:
-                    limits.check(p)
-                except GridError:
-                    continue
-                points.append(p)
+        candidates += [Point("decode", b, context=c) for b in _pow2(1, min(limits.max_num_seqs, 16))
+                       for c in _pow2(16, limits.max_model_len // 2)]
+    points: list[Point] = []
+    excluded: list[tuple[Point, str]] = []
+    for p in candidates:
+        try:
+            limits.check(p, repeats)
+        except GridError as e:
+            excluded.append((p, str(e)))
+            continue
+        points.append(p)
     points.sort(key=lambda p: (PHASES.index(p.phase), -p.batch * max(p.tokens, p.context), p.key()))
     if len(points) > max_points:  # thin uniformly, keeping both ends
         idx = sorted({round(i * (len(points) - 1) / (max_points - 1)) for i in range(max_points)})
+        keep = set(idx)
+        excluded += [(p, f"point {p.key()}: thinned to max_points={max_points}") for i, p in enumerate(points)
+                     if i not in keep]
         points = [points[i] for i in idx]
-    return points
+    return GridPlan(points, excluded)
 
 
-def load_points(path: str | Path, limits: Limits) -> list[Point]:
+def build_grid(limits: Limits, mode: str, *, max_points: int = 64, repeats: int = 3) -> list[Point]:
+    """The points of :func:`plan_grid` (every one reachable on ``limits``)."""
+    return plan_grid(limits, mode, max_points=max_points, repeats=repeats).points
+
+
+def load_points(path: str | Path, limits: Limits, repeats: int = 3) -> list[Point]:
     """Explicit points file: JSON ``{"points": [{"phase", "batch", "tokens"?, "kv"?, "context"?}, ...]}``.
     Every point must be feasible (raises :class:`GridError` naming the point and the limit)."""
     try:
@@ -134,7 +179,7 @@ def load_points(path: str | Path, limits: Limits) -> list[Point]:
             raise GridError(f"points[{i}]: batch, tokens, kv, context must be integers")
         p = Point(str(d.get("phase")), int(d.get("batch", 0)), int(d.get("tokens", 0)), int(d.get("kv", 0)),
                   int(d.get("context", 0)))
-        limits.check(p)
+        limits.check(p, repeats)
         pts.append(p)
     return pts
 

@@ -14,7 +14,7 @@ import structlog
 from genartifact_fpm_bench import SCHEDULER_QUALNAME, __version__
 from genartifact_fpm_bench.artifact import RANK_SCHEMA, SCHEMA_VERSION, rank_path, write_once
 from genartifact_fpm_bench.content import HASH_ENCODING, IDENTITY, content_seed
-from genartifact_fpm_bench.grid import Limits, build_grid, grid_digest, load_points
+from genartifact_fpm_bench.grid import Limits, grid_digest, load_points, plan_grid
 from genartifact_fpm_bench.runner import NOISY_CV, UNOBSERVED, BenchRunner, FpmCollector
 
 log = structlog.get_logger("genartifact.fpm_bench")
@@ -28,6 +28,23 @@ def limits_of(vcfg: Any) -> Limits:
     return Limits(max_num_batched_tokens=int(sc.max_num_batched_tokens), max_num_seqs=int(sc.max_num_seqs),
                   max_model_len=int(mc.max_model_len), kv_capacity_tokens=cap, block_size=int(cc.block_size),
                   prefix_caching=bool(cc.enable_prefix_caching))
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """The FPM publisher binds ``host:port`` inside the engine; refuse before the engine starts when it is
+    taken. Raises :class:`GridError` naming the port and the fix."""
+    import socket
+
+    from genartifact_fpm_bench.grid import GridError
+
+    if not 1 <= port <= 65535:
+        raise GridError(f"FPM port {port} out of range; allowed: 1..65535 (set --port-base so base + rank fits)")
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise GridError(f"FPM port {host}:{port} is already in use (another bench rank or process); pass "
+                            f"--port-base with a free range, e.g. --port-base {port + 100}") from None
 
 
 async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_size: int = 1, run_id: str | None = None,
@@ -44,6 +61,7 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
     out = rank_path(out_dir, rank)
     if out.exists():
         raise FileExistsError(f"rank artifact {out} exists; rank artifacts are written once")
+    check_port_free(port_base + rank)  # one clear error now, not a bind failure buried in the engine's log
     os.environ.update(GENARTIFACT_FPM_STREAM="1", GENARTIFACT_FPM_PORT_BASE=str(port_base),
                       GENARTIFACT_FPM_DP_RANK=str(rank))
     host = PluginHost({"probes": PROBES})
@@ -54,9 +72,15 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
     try:
         await asyncio.sleep(0.3)  # ZMQ slow joiner: the subscription must reach the publisher
         limits = limits_of(engine.llm.vllm_config)
-        points = load_points(points_file, limits) if points_file else build_grid(limits, mode, max_points=max_points)
+        if points_file:
+            points, excluded = load_points(points_file, limits, repeats), []
+        else:
+            plan = plan_grid(limits, mode, max_points=max_points, repeats=repeats)
+            points, excluded = plan.points, plan.excluded_dicts()
+        for x in excluded:  # said before anything runs
+            log.info("bench_point_excluded", point=x["key"], reason=x["reason"])
         vocab = int(engine.model_info.hf_config.get("vocab_size", 512))  # type: ignore[union-attr]
-        runner = BenchRunner(engine.llm, collector, rank, (4, vocab), repeats=repeats)
+        runner = BenchRunner(engine.llm, collector, rank, (4, vocab), limits, repeats=repeats)
         await runner.warmup()
         records = []
         for p in tqdm(points, desc=f"bench rank {rank}", unit="pt", disable=not progress):
@@ -80,7 +104,8 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
                      "prefill": "single_step", "decode": "steady_steps_after_admission", "unobserved": UNOBSERVED,
                      "fpm_bench_version": __version__},
         "limits": limits.__dict__,
-        "coverage": {"expected_points": len(points), "completed_points": done, "failed_points": len(points) - done},
+        "coverage": {"expected_points": len(points), "completed_points": done, "failed_points": len(points) - done,
+                     "excluded_points": excluded},
         "points": records,
         "warmup_evidence": runner.warmup_evidence,
         "stream": {"gaps": collector.gaps},

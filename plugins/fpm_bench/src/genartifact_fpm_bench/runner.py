@@ -7,8 +7,12 @@ execution are collected from its ZMQ stream and kept raw (every sample, with its
 * prefill ``(tokens, batch, kv)``: a discarded replica of the same shape, then ``repeats`` measured executions,
   each one forward pass; KV-read tokens come from a staging request that computes the prefix first (same cache
   salt); ``kv = 0`` executions get a fresh cache salt, so a repeated coordinate never reuses a measured prefix.
-* decode ``(batch, context)``: requests with ``context − 1`` prompt tokens are admitted (a prefill pass, recorded
-  as the discarded admission sample), then ``repeats`` steady decode passes with the full batch are measured.
+* decode ``(batch, context)``: requests with ``context − 1`` prompt tokens are admitted over as many passes as the
+  token budget needs (``Limits.decode_admission_passes``; recorded as ``admission`` samples, never measured) and
+  generate enough tokens (``Limits.decode_max_tokens``) that the whole batch then decodes together; the first
+  ``repeats`` such steady passes are measured, later ones (and the passes where the batch drains) are kept as
+  ``drain`` samples. Requests admitted in an earlier pass have decoded a few tokens more, so a measured pass's
+  contexts spread by up to the number of admission passes; the exact shape of every pass is in its sample.
 
 Estimate: the median ``wall_time`` (``schedule_to_output``) of the measured samples; CV = stdev / mean; a point is
 flagged noisy when CV > 0.1. What this engine cannot show (CUDA-graph dispatch on CPU, kernel identity) is
@@ -27,7 +31,7 @@ import structlog
 
 from genartifact_fpm_bench.content import make_batch
 from genartifact_fpm_bench.fpm import FPM, parse_frames
-from genartifact_fpm_bench.grid import Point
+from genartifact_fpm_bench.grid import Limits, Point
 
 log = structlog.get_logger("genartifact.fpm_bench")
 NOISY_CV = 0.1
@@ -83,9 +87,9 @@ def _sample(i: int, fpm: FPM, role: str) -> dict[str, Any]:
 class BenchRunner:
     """Runs points on ``llm`` (a vLLM ``AsyncLLM`` with the instrumented scheduler) for DP rank ``rank``."""
 
-    def __init__(self, llm: Any, collector: FpmCollector, rank: int, vocab: tuple[int, int], repeats: int = 3,
-                 warmup_iterations: int = 5) -> None:
-        self.llm, self.collector, self.rank, self.vocab = llm, collector, rank, vocab
+    def __init__(self, llm: Any, collector: FpmCollector, rank: int, vocab: tuple[int, int], limits: Limits,
+                 repeats: int = 3, warmup_iterations: int = 5) -> None:
+        self.llm, self.collector, self.rank, self.vocab, self.limits = llm, collector, rank, vocab, limits
         self.repeats, self.warmup_iterations = repeats, warmup_iterations
         self.warmup_evidence: list[dict[str, Any]] = []
 
@@ -152,10 +156,11 @@ class BenchRunner:
                 def full_decode(f: FPM) -> bool:
                     return f.scheduled.num_decode_requests == p.batch and f.scheduled.num_prefill_requests == 0
 
+                max_tokens = self.limits.decode_max_tokens(p, self.repeats)
                 for rep in range(2):  # 0: discarded replica, 1: measured
-                    await self._batch([x.tolist() for x in content.prompts], 1 + self.repeats, uuid.uuid4().hex)
+                    await self._batch([x.tolist() for x in content.prompts], max_tokens, uuid.uuid4().hex)
                     idx = self._take(samples, "discarded_replica" if rep == 0 else "measure", want=full_decode,
-                                     other_role="admission")
+                                     other_role="admission", limit=self.repeats, after_role="drain")
                     if rep == 1:
                         measured += idx
             rec["prompts"] = {"status": "recorded", "sha256": content.aggregate,
@@ -174,8 +179,11 @@ class BenchRunner:
         rec["raw_samples"] = samples
         return rec
 
-    def _take(self, samples: list[dict[str, Any]], role: str, want: Any = None,
-              other_role: str = "unmatched") -> list[int]:
+    def _take(self, samples: list[dict[str, Any]], role: str, want: Any = None, other_role: str = "unmatched",
+              limit: int | None = None, after_role: str | None = None) -> list[int]:
+        """Record every drained FPM as a sample; those matching ``want`` (at most ``limit``) get ``role`` and
+        their indices are returned; the others get ``other_role`` — or ``after_role``, when given, once the
+        matches began (e.g. ``admission`` before the steady passes, ``drain`` after)."""
         idx = []
         fpms = self.collector.drain()
         if role == "discarded_replica":  # per-shape warmup replica: preparation evidence
@@ -184,10 +192,12 @@ class BenchRunner:
                                          "status": "completed" if fpms else "failed: no forward pass observed",
                                          "matched_shape": bool(want is None or any(want(f) for f in fpms)),
                                          **_evidence(fpms)})
+        started = False
         for f in fpms:
-            match = want is None or want(f)
+            match = (want is None or want(f)) and (limit is None or len(idx) < limit)
             i = len(samples)
-            samples.append(_sample(i, f, role if match else other_role))
+            started = started or match
+            samples.append(_sample(i, f, role if match else (after_role if started and after_role else other_role)))
             if match:
                 idx.append(i)
         return idx
