@@ -443,6 +443,9 @@ def _chosen_command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+_PLUGIN_COMMAND_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+
+
 def _add_plugin_commands(sub: Any, add: Any, argv: list[str] | None) -> None:
     """One subparser per ``genartifact.commands`` entry point (built-in names win). Only the chosen command's
     plugin is imported (:func:`genartifact.host.load_command`), so ``--help`` stays fast."""
@@ -455,17 +458,17 @@ def _add_plugin_commands(sub: Any, add: Any, argv: list[str] | None) -> None:
         eps = []
     for ep in eps:
         name = normalize(ep.name)
-        if name in sub.choices:
+        if name in sub.choices or ep.name in sub.choices:
             continue
         dist = getattr(ep, "dist", None)
         help_ = f"plugin command ({getattr(dist, 'name', 'unknown')} {getattr(dist, 'version', '')})".strip()
+        # the subcommand is spelled as its entry point is (``replay-check``); the normalized name is an alias
+        spelled = ep.name if _PLUGIN_COMMAND_NAME.fullmatch(ep.name) else name
+        p = add(spelled, None, help_, (name,) if name != spelled else ())
         if chosen is not None and normalize(chosen) == name:
             from genartifact.host import load_command
 
-            p = add(name, None, help_)
             p.set_defaults(fn=load_command(name, p))
-        else:
-            add(name, None, help_)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -475,8 +478,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--traceback", action="store_true", help="print the full traceback of any error")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, allow_abbrev=False)  # vLLM engine args must never match by prefix
+    def add(name: str, fn: Any, help: str, aliases: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        # allow_abbrev=False: vLLM engine args must never match by prefix
+        p = sub.add_parser(name, help=help, allow_abbrev=False, aliases=list(aliases))
         p.set_defaults(fn=fn)
         p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
         return p
