@@ -92,11 +92,19 @@ def test_missing_object(capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_engine_options_defaults_and_plugin_hook():
+@pytest.mark.parametrize("plugin_installed", [True, False])
+def test_engine_options_defaults_and_plugin_hook(plugin_installed, capsys):
+    from genartifact.logging import configure_logging
+
+    configure_logging()
     host = PluginHost({"contents": ["moe_routes"]})
-    opts = engine_options(host, "/m", {"max_num_batched_tokens": 64, "enable_prefix_caching": True})
-    assert opts["worker_extension_cls"] == QUALNAME
-    assert opts["enable_prefix_caching"] is False  # route_capture's engine_options hook turns it off
+    opts = engine_options(host, "/m", {"max_num_batched_tokens": 64, "enable_prefix_caching": True},
+                          plugin_installed=plugin_installed)
+    # with the vllm.general_plugins entry point the extension slot stays free; without it, the fallback class
+    assert opts.get("worker_extension_cls") == (None if plugin_installed else QUALNAME)
+    assert opts["enable_prefix_caching"] is False  # route_capture's engine_options hook turns it off ...
+    err = capsys.readouterr().err
+    assert "prefix_caching_disabled" in err and "enable_prefix_caching" in err  # ... and says so
     assert opts["max_num_batched_tokens"] == 64 and opts["skip_tokenizer_init"] is True
 
 
@@ -106,14 +114,30 @@ def test_native_route_engine_keeps_prefix_caching():
     assert opts["enable_prefix_caching"] is True
 
 
-def test_user_worker_extension_is_kept_and_warned(capsys):
+def test_user_worker_extension_without_entry_point_turns_capture_off_and_keeps_prefix_caching(capsys):
     from genartifact.logging import configure_logging
 
     configure_logging()
     host = PluginHost({"contents": ["moe_routes"]})
-    opts = engine_options(host, "/m", {"worker_extension_cls": "my.pkg.Ext"})
+    opts = engine_options(host, "/m", {"worker_extension_cls": "my.pkg.Ext", "enable_prefix_caching": True},
+                          plugin_installed=False)
     assert opts["worker_extension_cls"] == "my.pkg.Ext"
+    assert opts["enable_prefix_caching"] is True  # worker capture cannot run, so nothing is forced off
     assert "worker_extension_in_use" in capsys.readouterr().err and "my.pkg.Ext" in str(opts)
+
+
+def test_user_worker_extension_with_entry_point_coexists(capsys):
+    host = PluginHost({"contents": ["moe_routes"]})
+    opts = engine_options(host, "/m", {"worker_extension_cls": "my.pkg.Ext"}, plugin_installed=True)
+    assert opts["worker_extension_cls"] == "my.pkg.Ext" and opts["enable_prefix_caching"] is False
+    assert "worker_extension_in_use" not in capsys.readouterr().err
+
+
+def test_vllm_plugins_allow_list_excludes_the_entry_point(monkeypatch):
+    from genartifact.engine.vllm_adapter import vllm_plugin_installed
+
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    assert vllm_plugin_installed() is False
 
 
 async def test_native_resend_keeps_only_latest_tensor(tmp_path):

@@ -18,7 +18,8 @@ from genartifact.types import Delta, ModelInfo
 
 QWEN = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
         "decoder_sparse_step": 1, "mlp_only_layers": []}
-MODEL = ModelInfo("tiny", QWEN, "vllm", "0.32.0", {"worker_extension": True, "enable_prefix_caching": False,
+MODEL = ModelInfo("tiny", QWEN, "vllm", "0.32.0", {"worker_capture": True,
+                                                   "worker_captures": ["moe_routes", "selected_logprobs"], "enable_prefix_caching": False,
                                                     "logprobs_mode": "raw_logprobs"})
 SETTINGS = {"managed_fsspec": {"profiles": {"mem": {"url": "memory://ga-test", "allowed_prefixes": ["runs/"]},
                                             "tiny": {"url": "memory://ga-tiny", "allowed_prefixes": ["runs/"],
@@ -56,10 +57,11 @@ class FakeEngine:
     async def worker_call(self, method, *args):
         self.calls.append((method, args))
         if self.routes is None:
-            return [None]
+            return [None, {"absent": "unknown", "dp_rank": 0, "tp_rank": 0}]
         _cid, start, end = args
         d = np.ascontiguousarray(self.routes[:, start:end])
-        return [{"shape": list(d.shape), "dtype": d.dtype.str, "data": d.tobytes(), "missing": self.missing}]
+        return [None, {"found": {"shape": list(d.shape), "dtype": d.dtype.str, "data": d.tobytes(),
+                                 "missing": self.missing}, "dp_rank": 0, "tp_rank": 0}]
 
 
 def lp(tokens, value=-0.5):
@@ -215,7 +217,7 @@ def test_admission_rejects_over_target_max_bytes(host):
 
 def test_admission_worst_case_routes_large_model(host):
     big = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8}
-    model = ModelInfo("big", big, engine_options={"worker_extension": True})
+    model = ModelInfo("big", big, engine_options={"worker_captures": ["moe_routes"]})
     s = session(host, spec(["moe_routes"]), model=model)
     with pytest.raises(AdmissionError, match="worst-case decoded"):
         s.admit(8192, 200_000)
@@ -231,12 +233,12 @@ def test_invalid_routes_start(host, start):
 
 def test_moe_routes_without_route_source_names_the_setting(host):
     model = ModelInfo("x", QWEN, engine_options={})
-    with pytest.raises(AdmissionError, match="enable_return_routed_experts.*worker_extension_cls"):
+    with pytest.raises(AdmissionError, match="enable_return_routed_experts.*vllm.general_plugins"):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
 
 def test_moe_routes_refuses_prefix_caching_on_worker_path(host):
-    model = ModelInfo("x", QWEN, engine_options={"worker_extension": True, "enable_prefix_caching": True})
+    model = ModelInfo("x", QWEN, engine_options={"worker_captures": ["moe_routes"], "enable_prefix_caching": True})
     with pytest.raises(AdmissionError, match="enable_prefix_caching=False"):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
@@ -255,7 +257,7 @@ def test_moe_routes_refuses_prefix_caching_on_worker_path(host):
     ids=["family", "missing", "conflict", "topk", "no-moe"],
 )
 def test_router_layout_metadata_rejected(host, cfg, match):
-    model = ModelInfo("x", cfg, engine_options={"worker_extension": True})
+    model = ModelInfo("x", cfg, engine_options={"worker_captures": ["moe_routes"]})
     with pytest.raises(AdmissionError, match=match):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
@@ -406,7 +408,7 @@ async def test_pipeline_concurrency_bounded_and_cancellation_semantics(host, mon
 
 def test_config_default_and_errors(tmp_path):
     cfg = parse(DEFAULT_TOML, source="default", base_dir=tmp_path)
-    assert cfg.plugins["contents"] == ["moe_routes", "selected_logprobs"]
+    assert cfg.plugins["contents"] == ["moe_routes", "selected_logprobs", "top_logprobs"]
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['sinks'\] in \[plugins\]"):
         parse("[plugins]\nsinks=[]", source="x", base_dir=tmp_path)
     with pytest.raises(ConfigError, match="lists a name twice"):
@@ -421,7 +423,9 @@ class FakeLogprobWorker:
 
     async def worker_call(self, method, *args):
         self.calls.append(method)
-        return [self.reply]
+        if self.reply is None:
+            return [{"absent": "unknown", "dp_rank": 0, "tp_rank": 0}]
+        return [{"found": self.reply, "dp_rank": 0, "tp_rank": 0}]
 
 
 @pytest.mark.parametrize(

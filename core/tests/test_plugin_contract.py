@@ -105,8 +105,8 @@ def order_plugin(tag, calls):
             return tag if tag != "first" else None
 
         @hookimpl
-        def genartifact_worker_init(self, worker):
-            calls.append(("worker_init", tag))
+        def genartifact_worker_capture(self, worker, settings):
+            calls.append(("worker_capture", tag))
 
     return P()
 
@@ -116,17 +116,17 @@ def test_config_order_is_run_order_for_every_hook_with_three_plugins():
     objs = {t: order_plugin(t, calls) for t in ("first", "second", "third")}
     host = make_host(contents=objs)
     host.hooks.engine_options(options={})
-    host.hooks.worker_init(worker=None)
+    assert host.hooks.worker_captures(worker=None, settings={}) == []
     assert host.hooks.worker_call(worker=None, method="m", args=[]) == "second"  # firstresult: config order
     p = host.hooks.content_producer(name="echo", model=None)
     assert p.info.name == "second"
     by_hook = {}
     for hook, tag in calls:
         by_hook.setdefault(hook, []).append(tag)
-    assert by_hook == {"engine_options": ["first", "second", "third"], "worker_init": ["first", "second", "third"],
+    assert by_hook == {"engine_options": ["first", "second", "third"], "worker_capture": ["first", "second", "third"],
                        "worker_call": ["first", "second"], "content_producer": ["first", "second"]}
     calls.clear()
-    host._pm.hook.genartifact_engine_options(options={})  # pluggy's own call path agrees (fixed at registration)
+    host._pm.hook.genartifact_engine_options(options={}, worker_capture=False)  # pluggy's own call path agrees (fixed at registration)
     assert [t for _, t in calls] == ["first", "second", "third"]
     calls.clear()
     reversed_host = make_host(contents={t: objs[t] for t in ("third", "second", "first")})

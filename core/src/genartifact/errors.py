@@ -84,3 +84,8 @@ class PluginFault(PluginError):
 
 class ConfigError(GenartifactError, ValueError):
     """The TOML configuration is invalid."""
+
+
+class EngineStartError(GenartifactError, RuntimeError):
+    """The engine started but its workers disagree with the driver (e.g. a worker enabled a different set of
+    contents/probes than the engine sent in ``init``); the engine is shut down."""

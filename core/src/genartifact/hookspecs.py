@@ -12,8 +12,8 @@ Run order: for every hook, implementations run in config order (``[plugins].<kin
 registers with pluggy so that its LIFO call order equals config order). ``firstresult`` hooks stop at the
 first non-None result in that order. Hook wrappers are not supported.
 
-Content plugins may also implement the worker hooks: they run inside vLLM worker processes through the
-single genartifact worker extension (``genartifact.engine.worker_ext``).
+Content plugins may also implement the worker hooks: they run inside vLLM worker processes through the one
+genartifact worker runtime (``genartifact.engine.worker_ext``).
 """
 
 from __future__ import annotations
@@ -54,24 +54,29 @@ class ContentSpecs:
         neither vLLM nor torch (``genartifact.decode`` runs without an engine). None if not ``name``."""
 
     @hookspec
-    def genartifact_engine_options(self, options: dict[str, Any]) -> None:
+    def genartifact_engine_options(self, options: dict[str, Any], worker_capture: bool) -> None:
         """Adjust engine construction kwargs in place before the engine starts (e.g. disable prefix
-        caching). Called in config order for every enabled content plugin. Returns nothing."""
+        caching). ``worker_capture``: genartifact's worker capture will run in this engine (its RPC reaches
+        the workers). Called in config order for every enabled content plugin. Returns nothing."""
 
 
 class WorkerSpecs:
-    """Hooks run inside engine worker processes by the genartifact worker extension."""
+    """Hooks run inside engine worker processes by the genartifact worker runtime
+    (:mod:`genartifact.engine.worker_ext`), after the engine's ``init`` RPC delivered the enabled plugins."""
 
     @hookspec
-    def genartifact_worker_init(self, worker: Any) -> None:
-        """Called once per worker after the model is loaded (lazily, on the first genartifact RPC).
-        ``worker`` is the vLLM worker (has ``model_runner``). Returns nothing."""
+    def genartifact_worker_capture(self, worker: Any, settings: Mapping[str, Any]) -> Any:
+        """Return this content plugin's :class:`~genartifact.engine.worker_ext.WorkerCapture` for ``worker``
+        (the vLLM worker: has ``model_runner``, ``vllm_config``), or None. Called once per capturing worker
+        (tensor-parallel rank 0 of each engine), after the model is loaded. ``settings``: plugin name ->
+        settings of the enabled plugins, as sent by the engine in ``init``. The runtime then fires the
+        capture's step hook and serves its ``"<content>.fetch" / ".discard" / ".stats"`` RPC verbs."""
 
     @hookspec(firstresult=True)
     def genartifact_worker_call(self, worker: Any, method: str, args: list[Any]) -> Any:
-        """Handle worker RPC ``method`` (namespaced ``"<content>.<verb>"``) with msgpack-native ``args``.
-        Return a msgpack-native result, or None if this plugin does not own ``method``.
-        Stops at the first non-None result."""
+        """Handle a worker RPC ``method`` (namespaced ``"<plugin>.<verb>"``) not served by a worker capture
+        (e.g. a probe's ``"fpm.probe"``), with msgpack-native ``args``. Return a msgpack-native result, or None
+        if this plugin does not own ``method``. Runs on every worker. Stops at the first non-None result."""
 
 
 class TargetSpecs:

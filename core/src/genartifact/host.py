@@ -426,8 +426,9 @@ class Hooks:
                         problem=f"producer.name {getattr(p, 'name', None)!r} != requested content {name!r}")
         return GuardedProducer(p, info, name)
 
-    def engine_options(self, options: dict[str, Any]) -> None:
-        self._call("genartifact_engine_options", {"options": options}, first=False, expected=(ConfigError,))
+    def engine_options(self, options: dict[str, Any], worker_capture: bool = False) -> None:
+        self._call("genartifact_engine_options", {"options": options, "worker_capture": worker_capture},
+                   first=False, expected=(ConfigError,))
 
     def storage_target(self, kind: str, settings: Mapping[str, Any]) -> Any:
         """The guarded target of ``kind`` (or None). Raises :class:`~genartifact.errors.ConfigError` for bad
@@ -454,8 +455,10 @@ class Hooks:
         res, _ = self._call("genartifact_content_reader", {"name": name}, first=True)
         return res
 
-    def worker_init(self, worker: Any) -> None:
-        self._call("genartifact_worker_init", {"worker": worker}, first=False)
+    def worker_captures(self, worker: Any, settings: Mapping[str, Any]) -> list[Any]:
+        """The enabled content plugins' worker captures, in config order (None results dropped). A plugin that
+        raises becomes a :class:`PluginFault` naming it (the worker's ``init`` then fails, so does start)."""
+        return self._call("genartifact_worker_capture", {"worker": worker, "settings": settings}, first=False)
 
     def worker_call(self, worker: Any, method: str, args: list[Any]) -> Any:
         res, _ = self._call("genartifact_worker_call", {"worker": worker, "method": method, "args": args},

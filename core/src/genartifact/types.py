@@ -17,7 +17,7 @@ class ModelInfo:
 
     ``hf_config``: the model's ``config.json`` as a dict (text config merged, as vLLM's ``hf_text_config``).
     ``engine_options``: resolved engine settings that change what can be captured, e.g.
-    ``{"enable_prefix_caching": False, "worker_extension": True, "native_routed_experts": False,
+    ``{"enable_prefix_caching": False, "worker_capture": True, "worker_captures": ["moe_routes"], "native_routed_experts": False,
     "logprobs_mode": "raw_logprobs"}``.
     """
 

@@ -43,9 +43,10 @@ TINY_MOE_CONFIG = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_exper
 
 def model_info(hf_config: Mapping[str, Any] | None = None, **engine_options: Any) -> ModelInfo:
     """A :class:`~genartifact.types.ModelInfo` for no-engine tests: ``hf_config`` defaults to
-    :data:`TINY_MOE_CONFIG`; engine options default to the CPU engine's (worker extension on, no prefix caching,
-    ``raw_logprobs``)."""
-    opts = {"worker_extension": True, "enable_prefix_caching": False, "logprobs_mode": "raw_logprobs",
+    :data:`TINY_MOE_CONFIG`; engine options default to the CPU engine's (worker capture of both built-in contents
+    on, no prefix caching, ``raw_logprobs``)."""
+    opts = {"worker_rpc": True, "worker_capture": True, "worker_captures": ["moe_routes", "selected_logprobs"],
+            "enable_prefix_caching": False, "logprobs_mode": "raw_logprobs",
             "native_routed_experts": False, **engine_options}
     return ModelInfo("tiny", dict(hf_config or TINY_MOE_CONFIG), "vllm", "test", opts)
 
@@ -192,7 +193,9 @@ def deltas(prompt: Sequence[int], completion: Sequence[int], *, per_step: bool =
 class FakeEngine:
     """An engine handle for no-engine sessions: ``worker_call(method, *args)`` returns ``[handler(*args)]`` (one
     worker) for a handler registered under ``method`` (``"<content>.<verb>"``), else ``[None]``. ``calls``
-    records every call."""
+    records every call. A ``"<content>.fetch"`` handler returns the raw payload (or None); like genartifact's
+    worker runtime, the fake wraps it in the worker envelope ``{"found": payload}`` / ``{"absent": "unknown"}``
+    that :func:`genartifact.engine.worker_ext.fetch_capture` reads."""
 
     handlers: dict[str, Callable[..., Any]] = field(default_factory=dict)
     calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
@@ -201,7 +204,11 @@ class FakeEngine:
     async def worker_call(self, method: str, *args: Any) -> list[Any]:
         self.calls.append((method, args))
         fn = self.handlers.get(method)
-        return [fn(*args) if fn is not None else None for _ in range(self.workers)]
+        out = [fn(*args) if fn is not None else None for _ in range(self.workers)]
+        if method.endswith(".fetch"):
+            where = {"dp_rank": 0, "tp_rank": 0, "rank": 0}
+            out = [{"absent": "unknown", **where} if r is None else {"found": r, **where} for r in out]
+        return out
 
 
 # ------------------------------------------------------------------------------------------ harness

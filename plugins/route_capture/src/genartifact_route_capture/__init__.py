@@ -10,9 +10,10 @@ Two capture paths behind this one content:
 (a) native — vLLM's ``CompletionOutput.routed_experts`` (GPU, Model Runner V2, ``enable_return_routed_experts``):
     the full tensor arrives on the final delta with the layer axis = all decoder layers; dense layers are
     dropped (never reported as expert 0) and the tensor is narrowed to the compact dtype before it is retained.
-(b) worker — on runners without (a) (CPU): :mod:`genartifact_route_capture.worker` binds each MoE router's
-    capture callback inside the worker, attributes rows by absolute position, and the producer fetches a
-    finished request's rows through ``collective_rpc`` (``moe_routes.fetch``).
+(b) worker — on runners without (a) (CPU): :mod:`genartifact_route_capture.worker` (a ``WorkerCapture`` run by
+    genartifact's worker runtime on one rank per engine) binds each MoE router's capture callback, attributes
+    rows by absolute position, and the producer fetches a finished request's rows from whichever
+    data-parallel engine's worker holds them (``fetch_capture``: ``moe_routes.fetch``).
 
 Prefix caching: cached prefix tokens are never recomputed and produce no rows, so the worker path refuses
 ``enable_prefix_caching=True`` at admission, and any unfilled position fails the artifact at collect time.
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import pluggy
 import structlog
+from genartifact.engine.worker_ext import discard_capture, fetch_capture
 from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
 from genartifact.format import DTYPES, TensorPart, route_dtype_code
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
@@ -58,10 +60,11 @@ class MoeRoutes:
     # admission ------------------------------------------------------------------------------------
     def admit(self, ctx: AdmissionContext) -> int:
         opts = ctx.model.engine_options
-        if not self.native and not opts.get("worker_extension"):
+        if not self.native and NAME not in (opts.get("worker_captures") or ()):
             raise AdmissionError(
-                "moe_routes needs a route source: set enable_return_routed_experts=True (GPU, Model Runner V2) "
-                "or worker_extension_cls='genartifact.engine.worker_ext.GenartifactWorkerExtension'"
+                "moe_routes needs a route source: set enable_return_routed_experts=True (GPU, Model Runner V2), "
+                "or let genartifact's worker capture run (installed through the vllm.general_plugins entry point "
+                "'genartifact'; no worker answered init with a moe_routes capture)"
             )
         if not self.native and opts.get("enable_prefix_caching"):
             raise AdmissionError(
@@ -127,11 +130,7 @@ class MoeRoutes:
             raise CaptureError("moe_routes: worker path needs the engine at collect time")
         positions = max(0, final.prompt_token_count + final.completion_token_count - 1)
         self._fetched = True  # fetch pops the worker's rows
-        results = await final.engine.worker_call(f"{NAME}.fetch", self.capture_id, self.start, positions)
-        got = [r for r in results if r is not None]
-        if not got:
-            raise CaptureError("moe_routes: no worker recorded rows for this request")
-        r = got[0]
+        r = await fetch_capture(final.engine, NAME, self.capture_id, self.start, positions)
         lay = self._lay()
         rows = max(0, positions - self.start)
         arr = np.frombuffer(r["data"], dtype=np.dtype(r["dtype"])).reshape(r["shape"])
@@ -147,7 +146,7 @@ class MoeRoutes:
         """Drop worker-side rows not fetched (request failed or was cancelled). Idempotent."""
         if self.capture_id is not None and not self._fetched and engine is not None:
             self._fetched = True
-            await engine.worker_call(f"{NAME}.discard", self.capture_id)
+            await discard_capture(engine, NAME, self.capture_id)
 
     def finalize(self, final: FinalContext) -> tuple[dict[str, Any], list[TensorPart]]:
         lay = self._lay()
@@ -257,33 +256,35 @@ def genartifact_content_reader(name: str) -> MoeRoutesReader | None:
 
 
 @hookimpl
-def genartifact_engine_options(options: dict[str, Any]) -> None:
-    """Worker path: route capture cannot see prefix-cached tokens, so prefix caching is turned off unless
-    the engine returns routes natively."""
-    if not options.get("enable_return_routed_experts"):
-        if options.get("enable_prefix_caching"):
-            structlog.get_logger("genartifact.route_capture").warning(
-                "prefix_caching_disabled", option="enable_prefix_caching",
-                reason="moe_routes worker capture never sees prefix-cached tokens (they are not recomputed); "
-                       "keep prefix caching with an engine that returns routes natively "
-                       "(enable_return_routed_experts=True)")
-        options["enable_prefix_caching"] = False
+def genartifact_engine_options(options: dict[str, Any], worker_capture: bool) -> None:
+    """Worker path: route capture cannot see prefix-cached tokens (they are never recomputed), so prefix caching
+    is turned off — only when worker capture will actually run (``worker_capture``) and the engine does not
+    return routes natively — with a warning when it was on or left to vLLM's default."""
+    if not worker_capture or options.get("enable_return_routed_experts"):
+        return
+    if options.get("enable_prefix_caching") is not False:
+        structlog.get_logger("genartifact.route_capture").warning(
+            "prefix_caching_disabled", option="enable_prefix_caching", was=options.get("enable_prefix_caching"),
+            reason="moe_routes worker capture never sees prefix-cached tokens (they are not recomputed); keep "
+                   "prefix caching with an engine that returns routes natively (enable_return_routed_experts=True)")
+    options["enable_prefix_caching"] = False
 
 
 @hookimpl
-def genartifact_worker_init(worker: Any) -> None:
-    from genartifact_route_capture.worker import install
-
-    install(worker)
-
-
-@hookimpl
-def genartifact_worker_call(worker: Any, method: str, args: list[Any]) -> Any:
-    if not method.startswith(NAME + "."):
+def genartifact_worker_capture(worker: Any, settings: Mapping[str, Any]) -> Any:
+    """The worker path's capture (see :mod:`.worker`); None where vLLM returns routes natively."""
+    if _native_routes_enabled(worker.vllm_config):
         return None
-    from genartifact_route_capture.worker import call
+    from genartifact_route_capture.worker import RouteCapture
 
-    return call(worker, method[len(NAME) + 1 :], args)
+    return RouteCapture(worker)
+
+
+def _native_routes_enabled(vcfg: Any) -> bool:
+    aux = getattr(vcfg, "aux_output_config", None)
+    if aux is not None and getattr(aux, "enable_return_routed_experts", False):
+        return True
+    return bool(getattr(vcfg.model_config, "enable_return_routed_experts", False))
 
 
 def layout_for(cfg: Mapping[str, Any]) -> RouterLayout:
