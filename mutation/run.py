@@ -101,9 +101,10 @@ def run_module(name: str, sample: int, seed: int, work: Path, timeout: float) ->
     rows = con.execute("select r.test_outcome, s.operator_name, s.start_pos_row, r.output from work_results r "
                        "join mutation_specs s on s.job_id = r.job_id").fetchall()
     con.close()
-    killed = sum(1 for r in rows if r[0] in ("killed", "TestOutcome.KILLED"))
-    incompetent = sum(1 for r in rows if "incompetent" in str(r[0]).lower())
-    survived = [(r[1], r[2]) for r in rows if "survived" in str(r[0]).lower()]
+    outcome = [str(r[0]).lower().rsplit(".", 1)[-1] for r in rows]  # cosmic-ray stores KILLED/SURVIVED/INCOMPETENT
+    killed = outcome.count("killed")
+    incompetent = outcome.count("incompetent")
+    survived = [(r[1], r[2]) for r, o in zip(rows, outcome, strict=True) if o == "survived"]
     return {"module": module, "mutants_total": total, "annotation_mutants_skipped": len(equivalent), "run": len(rows), "killed": killed, "incompetent": incompetent,
             "survived": sorted(survived, key=lambda x: x[1]), "seconds": round(time.time() - t0)}
 

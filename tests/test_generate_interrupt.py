@@ -195,3 +195,27 @@ def test_sigterm_during_engine_startup_is_prompt(qwen_model, tmp_path):
     assert [r["error_code"] for r in _receipts(out)] == ["interrupted", "interrupted"]
     gone, alive = psutil.wait_procs(kids, timeout=15)
     assert not alive, f"engine processes left behind: {alive}"
+
+
+@pytest.mark.engine
+def test_serve_sigterm_during_engine_startup_is_prompt(qwen_model, tmp_path):
+    import psutil
+
+    cfg = _cfg(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "genartifact.cli", "serve", "--model", str(qwen_model), "--config",
+                             str(cfg), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
+    me = psutil.Process(proc.pid)
+    deadline = time.time() + 120
+    while time.time() < deadline and not me.children(recursive=True):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    kids = me.children(recursive=True)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=60)[0].decode()
+    took = time.time() - t0
+    assert proc.returncode == 143, log[-3000:]
+    assert took < 10, f"SIGTERM during serve start-up took {took:.1f} s"
+    assert "stopped by SIGTERM during engine start-up" in log
+    gone, alive = psutil.wait_procs(kids, timeout=15)
+    assert not alive, f"engine processes left behind: {alive}"

@@ -496,3 +496,35 @@ async def test_route_row_count_mismatch_is_capture_invalid(host):
         producer.finalize(FinalContext(3, 2))
     r = await s.finalize()
     assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+
+
+def test_worst_case_formula_is_exact(host):
+    """docs/receipts.md: 8192 + header JSON + 64 per tensor + 4·(P + max_tokens) + content worst cases."""
+    from genartifact import format as fmt
+    from genartifact.session import MANIFEST_BASE_BYTES
+
+    s = session(host, spec(["selected_logprobs"]))
+    s.admit(10, 7)
+    header = len(fmt.canonical_json(s._header))
+    tensors = 1 + 2 * 1  # token_ids + per content (tensor + alignment slack)
+    assert s.budget == MANIFEST_BASE_BYTES + header + 64 * tensors + 4 * (10 + 7) + (4 * 7 + 128)
+
+
+@pytest.mark.parametrize("prompt, max_tokens, field", [(-1, 4, "prompt_token_count"), (3, 0, "max_tokens"),
+                                                       (True, 4, "prompt_token_count"), (3, 2.0, "max_tokens")])
+def test_admission_token_counts_are_checked_by_name(host, prompt, max_tokens, field):
+    with pytest.raises(AdmissionError, match=field):
+        session(host, spec()).admit(prompt, max_tokens)
+
+
+async def test_every_delivery_journals_an_outcome(host, tmp_path):
+    from genartifact.journal import DeliveryJournal
+
+    j = DeliveryJournal(tmp_path / "j.jsonl")
+    key = f"runs/{uuid.uuid4().hex}.gart"
+    for _ in range(2):  # ready, then object_exists
+        s = ArtifactSession.for_request(host, parse_request(spec(key=key)), MODEL, SETTINGS, j)
+        s.admit(2, 1)
+        s.record(Delta([1, 2], [3], lp([3]), finished=True))
+        await s.finalize()
+    assert [(d["last_state"], d["last_code"]) for d in j.deliveries()] == [("ready", None), ("failed", "object_exists")]

@@ -491,7 +491,10 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
                 break
         bar.close()
     except _Interrupted:
-        pass
+        if engine.llm is None:  # interrupted during start-up: nothing graceful to wait for
+            from genartifact.engine.vllm_adapter import kill_engine_processes
+
+            kill_engine_processes()
     finally:
         for s in EXIT_SIGNAL:
             loop.remove_signal_handler(s)
@@ -551,6 +554,9 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     except _Interrupted as e:  # raised inside the event loop's own code during start-up; the run's
         stop["signal"] = e.signum  # cleanup (receipts, engine shutdown) already ran when asyncio.run cancelled it
         receipts = []
+        from genartifact.engine.vllm_adapter import kill_engine_processes
+
+        kill_engine_processes()
     finally:
         writer.close()
         writer.report_unwritten()

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -468,9 +469,38 @@ def run_serve_cli(args: Any) -> int:
     names = kwargs.get("served_model_name") or [args.model]  # as vLLM: the first name is the one responses carry
     names = [names] if isinstance(names, str) else list(names)
 
+    import signal
+
+    stopped: dict[str, int] = {}
+
+    class _StartInterrupted(BaseException):
+        pass
+
+    def on_start_signal(signum: int, _frame: Any) -> None:
+        stopped["signal"] = signum
+        raise _StartInterrupted(signum)
+
     async def factory() -> VllmEngine:
-        return await VllmEngine(host, args.model, **kwargs).start()
+        # engine start blocks the event loop for tens of seconds (minutes on real checkpoints), so uvicorn's own
+        # handlers could only act after it; a plain handler interrupts the start at once
+        old = {sig: signal.signal(sig, on_start_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return await VllmEngine(host, args.model, **kwargs).start()
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
 
     app = create_app(factory, cfg, names[0], drain_s=args.drain_s)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.drain_s))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=int(args.drain_s))
+    except (_StartInterrupted, SystemExit):  # uvicorn exits 3 when the lifespan start-up fails
+        if "signal" not in stopped:
+            raise
+    if "signal" in stopped:
+        from genartifact.engine.vllm_adapter import kill_engine_processes
+
+        kill_engine_processes()
+        print(f"error: stopped by {signal.Signals(stopped['signal']).name} during engine start-up", file=sys.stderr)
+        return 128 + stopped["signal"]
     return 0

@@ -359,6 +359,23 @@ class VllmEngine:
         return result
 
 
+def kill_engine_processes() -> int:
+    """SIGKILL this process's multiprocessing children (vLLM's engine-core and worker processes) and reap them;
+    returns how many there were. For a start-up interrupted by SIGINT/SIGTERM: the half-started engine holds no
+    state worth a graceful stop, and vLLM's own teardown waits for processes busy loading the model."""
+    import multiprocessing
+
+    kids = multiprocessing.active_children()
+    for p in kids:
+        try:
+            p.kill()
+        except (OSError, ValueError):
+            pass
+    for p in kids:
+        p.join(timeout=5)
+    return len(kids)
+
+
 @dataclass
 class Prepared:
     """A validated, admitted request: final engine sampling kwargs and its artifact session (or None)."""
