@@ -11,8 +11,7 @@ from types import SimpleNamespace as NS
 
 import pluggy
 import pytest
-from genartifact.engine.worker_ext import (WorkerCapture, WorkerRuntime, _dispatch, fetch_capture,
-                                           register_vllm_plugin)
+from genartifact.engine.worker_ext import WorkerCapture, WorkerRuntime, _dispatch, fetch_capture, register_vllm_plugin
 from genartifact.errors import CaptureError
 from genartifact.host import PluginHost
 

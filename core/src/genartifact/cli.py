@@ -163,7 +163,9 @@ def survey(cfg_path: str | None, *, check: bool = False) -> tuple[list[dict[str,
             continue
         try:
             if row["kind"] == "commands":
-                load_command(row["name"], argparse.ArgumentParser(prog=f"genartifact {row['name']}"))
+                probe = argparse.ArgumentParser(prog=f"genartifact {row['name']}", conflict_handler="resolve")
+                probe.add_argument("--config")  # as the real subcommand parser has it
+                load_command(row["name"], probe)
                 row["hooks"] = ["genartifact_command"]
             else:
                 host = PluginHost({row["kind"]: [row["name"]]})
@@ -443,9 +445,6 @@ def _chosen_command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-_PLUGIN_COMMAND_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
-
-
 def _add_plugin_commands(sub: Any, add: Any, argv: list[str] | None) -> None:
     """One subparser per ``genartifact.commands`` entry point (built-in names win). Only the chosen command's
     plugin is imported (:func:`genartifact.host.load_command`), so ``--help`` stays fast."""
@@ -457,18 +456,20 @@ def _add_plugin_commands(sub: Any, add: Any, argv: list[str] | None) -> None:
     except Exception:  # noqa: BLE001 - `genartifact plugins` reports a broken install
         eps = []
     for ep in eps:
-        name = normalize(ep.name)
-        if name in sub.choices or ep.name in sub.choices:
+        name = ep.name  # as its distribution spells it (``replay-check``); matched with - and _ alike
+        if name in sub.choices or normalize(name) in {normalize(c) for c in sub.choices}:
             continue
         dist = getattr(ep, "dist", None)
         help_ = f"plugin command ({getattr(dist, 'name', 'unknown')} {getattr(dist, 'version', '')})".strip()
-        # the subcommand is spelled as its entry point is (``replay-check``); the normalized name is an alias
-        spelled = ep.name if _PLUGIN_COMMAND_NAME.fullmatch(ep.name) else name
-        p = add(spelled, None, help_, (name,) if name != spelled else ())
-        if chosen is not None and normalize(chosen) == name:
+        if chosen is not None and normalize(chosen) == normalize(name):
             from genartifact.host import load_command
 
+            # a plugin may declare its own --config (it then replaces core's): conflicts resolve to the plugin's
+            p = sub.add_parser(name, help=help_, conflict_handler="resolve")
+            p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
             p.set_defaults(fn=load_command(name, p))
+        else:
+            add(name, None, help_)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -478,9 +479,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--traceback", action="store_true", help="print the full traceback of any error")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    def add(name: str, fn: Any, help: str, aliases: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-        # allow_abbrev=False: vLLM engine args must never match by prefix
-        p = sub.add_parser(name, help=help, allow_abbrev=False, aliases=list(aliases))
+    def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, allow_abbrev=False)  # vLLM engine args must never match by prefix
         p.set_defaults(fn=fn)
         p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
         return p
