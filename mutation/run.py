@@ -78,6 +78,10 @@ def run_module(name: str, sample: int, seed: int, work: Path, timeout: float) ->
                    f'[cosmic-ray.distributor]\nname = "local"\n')
     env = {**os.environ, "PYTHONPATH": ":".join([str(work / "core/src"), *(str(p) for p in (work / "plugins").glob("*/src"))]),
            "GENARTIFACT_FUZZ_EXAMPLES": os.environ.get("GENARTIFACT_FUZZ_EXAMPLES", "100")}
+    base = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests.split()],
+                          cwd=work, env=env, capture_output=True, text=True)
+    if base.returncode != 0:  # a failing baseline would count every mutant as killed
+        raise SystemExit(f"{name}: the unmutated tests fail; fix them first:\n{base.stdout[-2000:]}")
     subprocess.run(["cosmic-ray", "init", str(cfg), str(db)], cwd=work, env=env, check=True, capture_output=True)
     con = sqlite3.connect(db)
     spans = annotation_spans(work / module)

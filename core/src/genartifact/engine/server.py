@@ -33,7 +33,6 @@ from genartifact import config as config_mod
 from genartifact.engine.tiny_model import CHAT_TEMPLATE
 from genartifact.engine.vllm_adapter import RequestResult, VllmEngine
 from genartifact.errors import GenartifactError, PluginFault, RequestSpecError
-from genartifact.host import PluginHost
 from genartifact.limits import pipeline_concurrency
 
 log = structlog.get_logger("genartifact.serve")
