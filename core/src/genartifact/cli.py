@@ -163,7 +163,9 @@ def survey(cfg_path: str | None, *, check: bool = False) -> tuple[list[dict[str,
             continue
         try:
             if row["kind"] == "commands":
-                load_command(row["name"], argparse.ArgumentParser(prog=f"genartifact {row['name']}"))
+                probe = argparse.ArgumentParser(prog=f"genartifact {row['name']}", conflict_handler="resolve")
+                probe.add_argument("--config")  # as the real subcommand parser has it
+                load_command(row["name"], probe)
                 row["hooks"] = ["genartifact_command"]
             else:
                 host = PluginHost({row["kind"]: [row["name"]]})
@@ -454,15 +456,17 @@ def _add_plugin_commands(sub: Any, add: Any, argv: list[str] | None) -> None:
     except Exception:  # noqa: BLE001 - `genartifact plugins` reports a broken install
         eps = []
     for ep in eps:
-        name = normalize(ep.name)
-        if name in sub.choices:
+        name = ep.name  # as its distribution spells it (``replay-check``); matched with - and _ alike
+        if name in sub.choices or normalize(name) in {normalize(c) for c in sub.choices}:
             continue
         dist = getattr(ep, "dist", None)
         help_ = f"plugin command ({getattr(dist, 'name', 'unknown')} {getattr(dist, 'version', '')})".strip()
-        if chosen is not None and normalize(chosen) == name:
+        if chosen is not None and normalize(chosen) == normalize(name):
             from genartifact.host import load_command
 
-            p = add(name, None, help_)
+            # a plugin may declare its own --config (it then replaces core's): conflicts resolve to the plugin's
+            p = sub.add_parser(name, help=help_, conflict_handler="resolve")
+            p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
             p.set_defaults(fn=load_command(name, p))
         else:
             add(name, None, help_)

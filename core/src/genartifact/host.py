@@ -678,7 +678,8 @@ def load_command(name: str, parser: Any, source: EntryPointSource = _default_sou
         pm.add_hookspecs(spec)
     pm.register(obj, name=f"commands:{info.name}")
     hooks = Hooks(pm, {f"commands:{info.name}": info})
-    handler, _ = hooks._call("genartifact_command", {"name": info.name, "parser": parser}, first=True)
+    # the hook gets the entry point's own spelling (CLI names keep their hyphens: ``replay-check``)
+    handler, _ = hooks._call("genartifact_command", {"name": ep.name, "parser": parser}, first=True)
     if handler is None or not callable(handler):
         raise fault(info, "genartifact_command", problem=f"returned {type(handler).__name__} for command "
                                                          f"{name!r}; expected a handler (args -> int)")
