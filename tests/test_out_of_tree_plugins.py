@@ -298,7 +298,8 @@ def test_generate_verify_inspect_with_out_of_tree_plugins(site, qwen_model, tmp_
     assert s["contents"] == ["moe_routes", "selected_logprobs", "token_timestamps"]
     ts = s["token_timestamps"]
     assert ts["count"] == s["completion_token_count"] == receipts[0]["completion_tokens"]
-    assert ts["first_token_ms"] > 0 and ts["last_token_ms"] >= ts["first_token_ms"]
+    assert ts["first_token_ms"] > 0 and ts["last_token_ms"] > ts["first_token_ms"]
+    assert ts["mean_inter_token_ms"] > 0  # per-step deltas: tokens arrived at distinct times (final-only gives 0)
     assert s["moe_routes"]["rows"] == s["prompt_token_count"] + s["completion_token_count"] - 1
     text = _cli(site, tmp_path, "inspect", "sqlite:runs/oot/00002", "--config", "config.toml")
     assert "token_timestamps: " in text.stdout and "tokens, first at" in text.stdout
