@@ -167,6 +167,10 @@ class Server:
             user_lp = 0 if lp is None else _num(body, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
         if user_lp is not None:
             s["logprobs"] = user_lp
+        ext = body.get(EXT)  # a top_logprobs artifact stores the same k (the OpenAI fields feed it too)
+        if (kind != "generate" and user_lp is not None and user_lp < 1 and isinstance(ext, Mapping)
+                and isinstance(ext.get("contents"), list) and "top_logprobs" in ext["contents"]):
+            raise RequestSpecError(f"top_logprobs must be an integer 1..{MAX_LOGPROBS} for a top_logprobs artifact")
         for key in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if body.get(key) is not None:  # vLLM's extension parameters of the same names
                 if not isinstance(body[key], bool):
