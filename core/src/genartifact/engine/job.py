@@ -358,6 +358,43 @@ async def _recover_from_journal(targets: Mapping[str, Any], spec: Mapping[str, A
     return None
 
 
+async def run_row(engine: Any, i: int, row: Mapping[str, Any], spec: Mapping[str, Any], settings: Mapping[str, Any],
+                  journal: Any, max_tokens: int, on_generated: Any = None) -> dict[str, Any]:
+    """Run one preflighted prompt row on a started engine and return its receipt (with ``index``,
+    ``prompt_tokens``, ``completion_tokens``); refusals before inference are ``rejected`` receipts
+    (``admission_rejected``, ``engine_rejected``), a plugin fault at admission an ``internal_error`` one.
+    ``on_generated()`` is called when generation ended and only delivery is left. Never raises for the row."""
+    from genartifact.engine.vllm_adapter import RequestResult
+
+    max_len = int(engine.model_info.engine_options.get("max_model_len", 0))
+    ids = engine.tokenizer(row["prompt"])["input_ids"]
+    sampling = {"max_tokens": row.get("max_tokens", max_tokens), "temperature": 1.0}
+    sampling.update({k: row[k] for k in SAMPLING_KEYS if k in row})
+    try:
+        if max_len and len(ids) >= max_len:
+            raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
+        prep = engine.prepare(ids, sampling, spec, settings, routes_start=row.get("routed_experts_prompt_start", 0),
+                              journal=journal)
+        res = None
+        # a batch job consumes no per-token output: one final delta, then the receipt
+        async for ev in engine.execute(prep, stream=False):
+            if isinstance(ev, RequestResult):
+                res = ev
+            elif ev[0].finished and on_generated is not None:
+                on_generated()
+        assert res is not None
+        receipt = dict(res.receipt or {})
+        receipt.update(index=i, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
+    except PluginFault:  # a plugin broke its contract at admission: logged naming it
+        receipt = _fault_receipt(i, spec)
+    except GenartifactError as e:  # refused before inference: specific message, nothing stored
+        receipt = {"index": i, "state": "rejected", "error_code": "admission_rejected", "error": str(e)}
+    except (ValueError, TypeError) as e:  # the engine's own request validation (before generation)
+        receipt = {"index": i, "state": "rejected", "error_code": "engine_rejected",
+                   "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return receipt
+
+
 async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpecError], cfg: config_mod.Config,
                        contents: list[str], target: str, max_tokens: int, run_id: str,
                        engine_kwargs: Mapping[str, Any], progress: bool = True, writer: ReceiptsWriter | None = None,
@@ -428,7 +465,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         stop["signal"] = signum
         raise _Interrupted(signum)
 
-    from genartifact.engine.vllm_adapter import RequestResult, VllmEngine
+    from genartifact.engine.vllm_adapter import VllmEngine
 
     for s in EXIT_SIGNAL:  # engine start blocks the event loop: a plain handler interrupts it promptly
         signal.signal(s, startup_signal)
@@ -442,36 +479,12 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         if "signal" in stop:
             raise _Interrupted(stop["signal"])
         bar = tqdm(total=len(specs), desc="generate", unit="req", disable=not progress)
-        max_len = int(engine.model_info.engine_options.get("max_model_len", 0))  # type: ignore[union-attr]
 
         async def one(i: int) -> dict[str, Any]:
             row = prompts[i]
             assert isinstance(row, dict)
-            ids = engine.tokenizer(row["prompt"])["input_ids"]
-            sampling = {"max_tokens": row.get("max_tokens", max_tokens), "temperature": 1.0}
-            sampling.update({k: row[k] for k in SAMPLING_KEYS if k in row})
-            try:
-                if max_len and len(ids) >= max_len:
-                    raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
-                prep = engine.prepare(ids, sampling, specs[i], settings,
-                                      routes_start=row.get("routed_experts_prompt_start", 0), journal=journal)
-                res = None
-                # a batch job consumes no per-token output: one final delta, then the receipt
-                async for ev in engine.execute(prep, stream=False):
-                    if isinstance(ev, RequestResult):
-                        res = ev
-                    elif ev[0].finished:
-                        delivering.add(i)  # generation done: from here on a stop drains instead of aborting
-                assert res is not None
-                receipt = dict(res.receipt or {})
-                receipt.update(index=i, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
-            except PluginFault:  # a plugin broke its contract at admission: logged naming it
-                receipt = _fault_receipt(i, specs[i])
-            except GenartifactError as e:  # refused before inference: specific message, nothing stored
-                receipt = {"index": i, "state": "rejected", "error_code": "admission_rejected", "error": str(e)}
-            except (ValueError, TypeError) as e:  # the engine's own request validation (before generation)
-                receipt = {"index": i, "state": "rejected", "error_code": "engine_rejected",
-                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            receipt = await run_row(engine, i, row, specs[i], settings, journal, max_tokens,
+                                    on_generated=lambda: delivering.add(i))  # from here on a stop drains
             emit(i, receipt)
             bar.update(1)
             return receipt
@@ -544,13 +557,26 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     if not os.access(out.parent, os.W_OK):
         raise RequestSpecError(f"receipts directory {str(out.parent)!r} is not writable")
     max_decoded_bytes(), pipeline_concurrency()  # environment limits fail now, not after inference
+    replicas = getattr(args, "replicas", None)
+    if replicas is not None or getattr(args, "ray", None) is not None:
+        from genartifact.engine.replicas import check_replica_args
+
+        check_replica_args(replicas, args.ray, args.max_inflight, resume)
     t0 = time.perf_counter()
     writer = ReceiptsWriter(out, resume=resume)
     stop: dict[str, Any] = {}
     try:
-        receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
-                                            target=args.target, max_tokens=args.max_tokens, run_id=run_id,
-                                            engine_kwargs=kwargs, writer=writer, done=done, stop=stop))
+        if replicas is not None:  # N engine replicas as Ray actors: engine/replicas.py
+            from genartifact.engine.replicas import run_generate_replicated
+
+            receipts = run_generate_replicated(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
+                                               target=args.target, max_tokens=args.max_tokens, run_id=run_id,
+                                               engine_kwargs=kwargs, writer=writer, replicas=replicas,
+                                               ray_address=args.ray, max_inflight=args.max_inflight)
+        else:
+            receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
+                                                target=args.target, max_tokens=args.max_tokens, run_id=run_id,
+                                                engine_kwargs=kwargs, writer=writer, done=done, stop=stop))
     except _Interrupted as e:  # raised inside the event loop's own code during start-up; the run's
         stop["signal"] = e.signum  # cleanup (receipts, engine shutdown) already ran when asyncio.run cancelled it
         receipts = []
