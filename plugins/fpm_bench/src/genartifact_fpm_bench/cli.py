@@ -1,4 +1,4 @@
-"""``genartifact bench run|merge|fit|report`` (dispatched from the core CLI when this plugin is installed)."""
+"""``genartifact bench run|merge|fit|live|report`` (dispatched from the core CLI when this plugin is installed)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--holdout", nargs="*", default=[], help="artifacts of off-grid points (bench run --points FILE)")
     f.add_argument("--rank", type=int, default=None, help="fit one DP rank only (default: ranks pooled per point)")
     f.add_argument("--out", required=True, help="model JSON path (must not exist)")
+    lv = sub.add_parser("live", help="run generate on a mixed workload with the FPM stream; compare each pass with a "
+                                     "fitted model")
+    lv.add_argument("--model", required=True, help="model directory (the engine's)")
+    lv.add_argument("--fit", required=True, help="a bench fit model JSON")
+    lv.add_argument("--prompts", help="JSONL prompts (default: a seeded mixed workload of 24 requests)")
+    lv.add_argument("--max-tokens", type=int, default=32)
+    lv.add_argument("--port-base", type=int, default=20380)
+    lv.add_argument("--out", required=True, help="live-check JSON path (must not exist)")
     rp = sub.add_parser("report", help="PNG plots and a Markdown summary of a rank or merged artifact")
     rp.add_argument("artifact")
     rp.add_argument("--out", required=True)
@@ -80,6 +88,26 @@ def _main(args: Any) -> int:
         write_model(doc, args.out)
         print("\n".join(summary_lines(doc)))
         print(f"model: {args.out}")
+    elif args.bench_cmd == "live":
+        from pathlib import Path
+
+        from genartifact_fpm_bench.artifact import write_once
+        from genartifact_fpm_bench.fit import StepModel
+        from genartifact_fpm_bench.live import live_check, summary_lines
+
+        if Path(args.out).exists():
+            raise FileExistsError(f"live-check output {args.out} exists; outputs are written once")
+        StepModel.load(args.fit)  # a foreign model fails before the engine starts
+        rows = None
+        if args.prompts:
+            from genartifact.engine.job import read_prompts
+
+            rows = read_prompts(args.prompts)
+        doc = asyncio.run(live_check(model_dir=args.model, step_model=args.fit, prompts=rows,
+                                     max_tokens=args.max_tokens, port_base=args.port_base))
+        write_once(args.out, doc)
+        print("\n".join(summary_lines(doc)))
+        print(f"live check: {args.out} ({doc['passes_observed']} passes, receipts {doc['receipts']})")
     else:
         from genartifact_fpm_bench.report import report
 
