@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--dp-size", type=int, default=1)
     r.add_argument("--run-id", help="shared by all ranks of one run (default: random)")
     r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--rounds", type=int, default=1, help="run the grid this many times round-robin; a point's samples "
+                   "from all rounds are pooled (spreads them over the run's time)")
     r.add_argument("--port-base", type=int, default=20380)
     r.add_argument("--max-points", type=int, default=24)
     accept_engine_args(r)  # vLLM's own engine arguments (default here: --max-num-batched-tokens 1024)
@@ -29,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f = sub.add_parser("fit", help="fit a step-time model per phase (linear + interpolating), with holdout error")
     f.add_argument("artifacts", nargs="+", help="rank or merged artifacts of one run (the grid)")
     f.add_argument("--holdout", nargs="*", default=[], help="artifacts of off-grid points (bench run --points FILE)")
+    f.add_argument("--holdout-points", help="points file: these points of the artifacts are held out (measured in the "
+                   "same run, never trained on)")
     f.add_argument("--rank", type=int, default=None, help="fit one DP rank only (default: ranks pooled per point)")
     f.add_argument("--out", required=True, help="model JSON path (must not exist)")
     lv = sub.add_parser("live", help="run generate on a mixed workload with the FPM stream; compare each pass with a "
@@ -73,6 +77,7 @@ def _main(args: Any) -> int:
         path = asyncio.run(run_rank(model=args.model, mode=args.mode, out_dir=args.out, rank=args.dp_rank,
                                     dp_size=args.dp_size, run_id=args.run_id, points_file=args.points,
                                     repeats=args.repeats, port_base=args.port_base, max_points=args.max_points,
+                                    rounds=args.rounds,
                                     engine_kwargs=engine_kwargs))
         print(f"rank artifact: {path}")
     elif args.bench_cmd == "merge":
@@ -84,7 +89,12 @@ def _main(args: Any) -> int:
     elif args.bench_cmd == "fit":
         from genartifact_fpm_bench.fit import fit, summary_lines, write_model
 
-        doc = fit(args.artifacts, args.holdout, rank=args.rank)
+        keys: list[str] = []
+        if args.holdout_points:
+            from genartifact_fpm_bench.grid import points_file_keys
+
+            keys = points_file_keys(args.holdout_points)
+        doc = fit(args.artifacts, args.holdout, rank=args.rank, holdout_keys=keys)
         write_model(doc, args.out)
         print("\n".join(summary_lines(doc)))
         print(f"model: {args.out}")
