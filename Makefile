@@ -7,7 +7,7 @@ MODEL  ?= .models/tiny-qwen3-moe
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: demo test lint bench bench-demo clean
+.PHONY: demo test lint bench bench-demo mutation fuzz clean
 
 $(STAMP): requirements-dev.txt core/pyproject.toml plugins/*/pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check core plugins tests benchmarks
+	$(VENV)/bin/ruff check core plugins tests benchmarks mutation
 
 bench: $(STAMP) $(MODEL)/model.safetensors
 	$(PY) benchmarks/bench_encode.py
@@ -51,6 +51,15 @@ bench-demo: $(STAMP) $(MODEL)/model.safetensors
 	$(GA) bench merge $(OUT)/fpm_rank0.json $(OUT)/fpm_rank1.json --out $(OUT)/merged.json
 	$(GA) bench fit $(OUT)/merged.json --out $(OUT)/model.json
 	$(GA) bench report $(OUT)/merged.json --model $(OUT)/model.json --out $(OUT)/report
+
+# mutation testing (cosmic-ray) of the safety-critical modules; SAMPLE=0 runs every mutant (hours)
+SAMPLE ?= 80
+mutation: $(STAMP)
+	$(PY) mutation/run.py --sample $(SAMPLE)
+
+# long-mode reader fuzz (structure-aware mutations + decompression bombs)
+fuzz: $(STAMP)
+	$(PY) benchmarks/bench_fuzz_reader.py --cases 200000
 
 clean:
 	rm -rf $(VENV) .models artifacts

@@ -40,17 +40,14 @@ _hf_cache: dict = {}
 
 
 def hf_topk(model_dir: Path, token_ids: np.ndarray) -> np.ndarray:
-    """Oracle: ``[tokens, layers, top_k]`` expert ids from HF transformers' router logits."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Oracle: ``[tokens, moe_layers, top_k]`` expert ids chosen by HF transformers' own routers (the product's
+    replay-check oracle, :class:`genartifact_route_capture.replay_check.HFOracle`)."""
+    from genartifact_route_capture.replay_check import HFOracle
 
     m = _hf_cache.get(model_dir)
     if m is None:
-        m = _hf_cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = m(torch.tensor(token_ids[None].astype(np.int64)), output_router_logits=True)
-    k = m.config.num_experts_per_tok
-    return np.stack([torch.topk(torch.softmax(r.float(), -1), k, dim=-1).indices.numpy() for r in out.router_logits], 1)
+        m = _hf_cache[model_dir] = HFOracle(model_dir)
+    return m.topk(token_ids)
 
 
 def agreement(captured: np.ndarray, oracle: np.ndarray) -> float:

@@ -31,17 +31,27 @@ def write_artifact(tmp_path):
 
 def test_plugins_json(capsys):
     assert main(["plugins", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    rows = out["plugins"]
+    assert out["problems"] == []
     assert {(r["kind"], r["name"], r["enabled"]) for r in rows} >= {
         ("contents", "moe_routes", True), ("contents", "selected_logprobs", True), ("targets", "managed_fsspec", True)}
 
 
-def test_plugins_unknown_name_in_config_exits_2(tmp_path, capsys):
+def test_plugins_unknown_name_in_config_is_listed_as_a_problem(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[plugins]\ncontents = ["selected_logprob"]\n')
-    assert main(["plugins", "--config", str(cfg)]) == 2
-    err = capsys.readouterr().err
-    assert "unknown content 'selected_logprob'" in err and "did you mean 'selected_logprobs'" in err
+    assert main(["plugins", "--config", str(cfg)]) == 0  # the listing still works
+    out = capsys.readouterr().out
+    assert "contents  moe_routes" in out  # installed plugins are listed
+    assert "problem: config [plugins].contents enables 'selected_logprob', which no installed" in out
+    assert main(["plugins", "--check", "--config", str(cfg)]) == 1
+    capsys.readouterr()
+    cfg.write_text('[plugins\n')
+    assert main(["plugins", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "contents  moe_routes" in out and "problem: config: " in out and "invalid TOML" in out
+    assert main(["plugins", "--check", "--config", str(cfg)]) == 1
 
 
 def test_inspect_and_verify(tmp_path, capsys):
@@ -57,14 +67,24 @@ def test_inspect_and_verify(tmp_path, capsys):
     assert "truncated" in capsys.readouterr().err
 
 
-def test_verify_receipts(tmp_path, capsys):
+def test_verify_receipts(tmp_path, capsys, monkeypatch):
     p, enc = write_artifact(tmp_path)
+    (tmp_path / "store" / "runs").mkdir(parents=True)
+    (tmp_path / "store" / "runs" / "a.gart").write_bytes(p.read_bytes())
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[plugins]\ntargets = ["managed_fsspec"]\n[targets.managed_fsspec.profiles.local]\n'
+                   'url = "./store"\nallowed_prefixes = ["runs/"]\n')
     r = tmp_path / "receipts.jsonl"
-    r.write_text(json.dumps({"index": 0, "state": "ready", "object_id": str(p), "sha256": enc.sha256,
-                             "byte_count": enc.byte_count}) + "\n"
-                 + json.dumps({"index": 1, "state": "failed", "error_code": "delivery_failed"}) + "\n")
-    assert main(["verify", "--receipts", str(r)]) == 1
-    assert "1/2 receipts verified" in capsys.readouterr().out
+    r.write_text(json.dumps({"index": 0, "state": "ready", "target": "managed_fsspec", "object_id": "local:runs/a.gart",
+                             "sha256": enc.sha256, "byte_count": enc.byte_count}) + "\n"
+                 + json.dumps({"index": 1, "state": "failed", "error_code": "delivery_failed"}) + "\n"
+                 + json.dumps({"index": 2, "state": "ready", "object_id": "local:runs/a.gart", "sha256": enc.sha256,
+                               "byte_count": enc.byte_count}) + "\n")
+    assert main(["verify", "--receipts", str(r), "--config", str(cfg)]) == 1
+    out = capsys.readouterr().out
+    assert "1/3 receipts verified" in out and "#2: receipt has no 'target' kind" in out
+    assert main(["inspect", "managed_fsspec:local:runs/a.gart", "--config", str(cfg), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sha256"] == enc.sha256
 
 
 def test_missing_object(capsys):
@@ -72,11 +92,19 @@ def test_missing_object(capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_engine_options_defaults_and_plugin_hook():
+@pytest.mark.parametrize("plugin_installed", [True, False])
+def test_engine_options_defaults_and_plugin_hook(plugin_installed, capsys):
+    from genartifact.logging import configure_logging
+
+    configure_logging()
     host = PluginHost({"contents": ["moe_routes"]})
-    opts = engine_options(host, "/m", {"max_num_batched_tokens": 64, "enable_prefix_caching": True})
-    assert opts["worker_extension_cls"] == QUALNAME
-    assert opts["enable_prefix_caching"] is False  # route_capture's engine_options hook turns it off
+    opts = engine_options(host, "/m", {"max_num_batched_tokens": 64, "enable_prefix_caching": True},
+                          plugin_installed=plugin_installed)
+    # with the vllm.general_plugins entry point the extension slot stays free; without it, the fallback class
+    assert opts.get("worker_extension_cls") == (None if plugin_installed else QUALNAME)
+    assert opts["enable_prefix_caching"] is False  # route_capture's engine_options hook turns it off ...
+    err = capsys.readouterr().err
+    assert "prefix_caching_disabled" in err and "enable_prefix_caching" in err  # ... and says so
     assert opts["max_num_batched_tokens"] == 64 and opts["skip_tokenizer_init"] is True
 
 
@@ -86,14 +114,30 @@ def test_native_route_engine_keeps_prefix_caching():
     assert opts["enable_prefix_caching"] is True
 
 
-def test_user_worker_extension_is_kept_and_warned(capsys):
+def test_user_worker_extension_without_entry_point_turns_capture_off_and_keeps_prefix_caching(capsys):
     from genartifact.logging import configure_logging
 
     configure_logging()
     host = PluginHost({"contents": ["moe_routes"]})
-    opts = engine_options(host, "/m", {"worker_extension_cls": "my.pkg.Ext"})
+    opts = engine_options(host, "/m", {"worker_extension_cls": "my.pkg.Ext", "enable_prefix_caching": True},
+                          plugin_installed=False)
     assert opts["worker_extension_cls"] == "my.pkg.Ext"
+    assert opts["enable_prefix_caching"] is True  # worker capture cannot run, so nothing is forced off
     assert "worker_extension_in_use" in capsys.readouterr().err and "my.pkg.Ext" in str(opts)
+
+
+def test_user_worker_extension_with_entry_point_coexists(capsys):
+    host = PluginHost({"contents": ["moe_routes"]})
+    opts = engine_options(host, "/m", {"worker_extension_cls": "my.pkg.Ext"}, plugin_installed=True)
+    assert opts["worker_extension_cls"] == "my.pkg.Ext" and opts["enable_prefix_caching"] is False
+    assert "worker_extension_in_use" not in capsys.readouterr().err
+
+
+def test_vllm_plugins_allow_list_excludes_the_entry_point(monkeypatch):
+    from genartifact.engine.vllm_adapter import vllm_plugin_installed
+
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    assert vllm_plugin_installed() is False
 
 
 async def test_native_resend_keeps_only_latest_tensor(tmp_path):
@@ -164,3 +208,21 @@ def test_track_flagged_adds_new_and_drops_finished():
     assert flagged == {"a-1": "cid-a"}
     track_flagged(NS(scheduled_new_reqs=[], finished_req_ids={"a-1"}), "k", flagged)
     assert flagged == {}
+
+
+def test_requested_prefix_caching_turned_off_is_a_warning_naming_option_and_reason():
+    import structlog
+    from genartifact.engine.vllm_adapter import engine_options
+    from genartifact.host import PluginHost
+
+    host = PluginHost({"contents": ["moe_routes"], "targets": ["managed_fsspec"]})
+    with structlog.testing.capture_logs() as logs:
+        opts = engine_options(host, "/m", {"enable_prefix_caching": True})
+    assert opts["enable_prefix_caching"] is False
+    events = {e["event"]: e for e in logs}
+    assert events["engine_option_overridden"]["option"] == "enable_prefix_caching"
+    assert events["engine_option_overridden"]["requested"] is True
+    assert "not recomputed" in events["prefix_caching_disabled"]["reason"]
+    with structlog.testing.capture_logs() as logs:
+        engine_options(host, "/m", {"enable_prefix_caching": False})
+    assert not [e for e in logs if e["log_level"] == "warning"]

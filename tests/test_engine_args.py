@@ -46,7 +46,8 @@ def test_import_and_top_level_help_do_not_import_vllm():
                                  ["bench", "run", "--model", "m", "--out", "o"]])
 def test_engine_commands_take_exactly_what_vllm_serve_makes_of_the_arguments(cmd, qwen_model):
     k = 2 if cmd[0] == "bench" else 1  # engine arguments anywhere after the (sub)command, mixed with ours
-    args, extra = build_parser().parse_known_args([*cmd[:k], *ENGINE_ARGV[:4], *cmd[k:], *ENGINE_ARGV[4:]])
+    argv = [*cmd[:k], *ENGINE_ARGV[:4], *cmd[k:], *ENGINE_ARGV[4:]]
+    args, extra = build_parser(argv).parse_known_args(argv)  # argv selects the plugin command to load
     assert takes_engine_args(args)
     ours = engine_kwargs(None, extra)
     assert set(ours) == {"tensor_parallel_size", "data_parallel_size", "distributed_executor_backend", "dtype",

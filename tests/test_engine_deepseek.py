@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from genartifact import format as fmt
+from genartifact_route_capture.replay_check import HFOracle, compare, verdict
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
@@ -24,28 +25,6 @@ async def ds_engine(host, deepseek_model):
     eng = await VllmEngine(host, deepseek_model, seed=0).start()
     yield eng
     eng.shutdown()
-
-
-def hf_deepseek_topk(model_dir, token_ids: np.ndarray) -> dict[int, np.ndarray]:
-    """Oracle: layer -> (``[tokens, top_k]`` expert ids chosen by HF's ``DeepseekV3TopkRouter``, the
-    ``[tokens, experts]`` selection scores) of each MoE block."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seen: dict[int, np.ndarray] = {}
-    for i, layer in enumerate(m.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None and hasattr(gate, "e_score_correction_bias"):  # DeepseekV3TopkRouter
-
-            def hook(_mod, _inp, out, _i=i, _bias=gate.e_score_correction_bias):
-                logits, _w, idx = out  # (router_logits, topk_weights, topk_indices)
-                seen[_i] = (idx.numpy(), (logits.sigmoid() + _bias).detach().numpy())
-
-            gate.register_forward_hook(hook)
-    with torch.no_grad():
-        m(torch.tensor(token_ids[None].astype(np.int64)))
-    return seen
 
 
 async def test_dense_first_layer_routes(ds_engine, deepseek_model, tmp_path):
@@ -63,7 +42,8 @@ async def test_dense_first_layer_routes(ds_engine, deepseek_model, tmp_path):
     assert sec["router_ids"] == [1, 2, 3] and sec["expert_counts"] == [8, 8, 8] and sec["token_start"] == 3
     routes = art.routes()
     assert routes.shape == (len(ids) + len(res.completion_token_ids) - 1 - 3, 3, 2)
-    oracle = hf_deepseek_topk(deepseek_model, art.token_ids[:-1])
+    hf = HFOracle(deepseek_model)  # HF's DeepseekV3TopkRouter decisions and selection scores per MoE layer
+    oracle, _ = hf.run(art.token_ids[:-1])
     assert sorted(oracle) == [1, 2, 3]
     want = np.stack([oracle[i][0] for i in (1, 2, 3)], 1)[3:]
     scores = np.stack([oracle[i][1] for i in (1, 2, 3)], 1)[3:]  # [rows, routers, experts]
@@ -74,4 +54,7 @@ async def test_dense_first_layer_routes(ds_engine, deepseek_model, tmp_path):
     top = -np.sort(-scores, -1)
     gap = top[..., 1] - top[..., 2]  # top_k = 2
     assert (gap[~same] < 0.01).all(), sorted(gap[~same])[-5:]
-
+    # replay-check agrees: every flipped row is a near tie at the same tolerance, and the logprobs match
+    rep = compare(art, hf, tie_tol=0.01)
+    print("deepseek replay-check:", rep["layers"], rep["logprobs"])
+    assert not verdict(rep, 1.0, 0.05), rep

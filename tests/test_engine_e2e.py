@@ -46,9 +46,14 @@ async def test_chunked_prefill_long_prompt(engine, qwen_model, tmp_path):
     assert agreement(art.routes(), hf_topk(qwen_model, art.token_ids[:-1])) >= 0.97
 
 
-async def test_routes_start_and_clamp(engine, qwen_model, tmp_path):
+async def test_routes_start_and_beyond_prompt_refused(engine, qwen_model, tmp_path):
+    from genartifact.errors import AdmissionError
+
     ids = engine.tokenizer(TEXTS[1])["input_ids"]
-    for start, eff in ((5, 5), (10_000, len(ids))):
+    for start in (len(ids) + 1, 10**6, 2**63):  # as vLLM: 0 <= start <= prompt length, never clamped
+        with pytest.raises(AdmissionError, match="beyond the prompt"):
+            await engine.run(ids, {"max_tokens": 6}, spec(["moe_routes"]), settings(tmp_path), routes_start=start)
+    for start, eff in ((5, 5), (len(ids), len(ids))):
         res = await engine.run(ids, {"max_tokens": 6, "temperature": 0.0}, spec(["moe_routes"]), settings(tmp_path),
                                routes_start=start)
         art = read(tmp_path, res.receipt)

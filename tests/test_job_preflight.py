@@ -128,7 +128,8 @@ def test_unknown_target_table_is_an_error(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("ref, match", [(".", "is a directory"), ("memory://nothing/here", "cannot be read"),
-                                        ("file:///nonexistent/x", "cannot be read"), ("local:runs/missing.gart", "cannot be read"),
+                                        ("file:///nonexistent/x", "cannot be read"), ("local:runs/missing.gart", "KIND:OBJECT_ID"),
+                                        ("managed_fsspec:local:runs/missing.gart", "managed_fsspec"),
                                         ("/dev/zero", "larger than the largest valid artifact")])
 def test_inspect_clean_errors(tmp_path, capsys, monkeypatch, ref, match):
     monkeypatch.chdir(tmp_path)

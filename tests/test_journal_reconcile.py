@@ -90,6 +90,9 @@ def test_journal_never_holds_secrets_and_survives_torn_last_line(tmp_path):
     with open(tmp_path / "j.jsonl", "a") as f:
         f.write('{"event": "outc')  # crash mid-append
     (row,) = j.unresolved()
+    with open(tmp_path / "j.jsonl", "a") as f:
+        f.write("\n\n")  # blank lines after the torn one: it is still the last record
+    (row,) = j.unresolved()
     assert row["ref"] == {"host": "bucket.example.com"} and row["last_state"] is None
 
 
@@ -214,3 +217,33 @@ def test_presigned_deliveries_are_unverifiable_not_deleted(tmp_path, capsys):
     cfg.write_text(f'[targets.presigned_http_put]\nallowed_hosts = ["b.example.com"]\n[journal]\npath = "{jpath}"\n')
     out = _reconcile(capsys, str(cfg), "--delete")["deliveries"]
     assert [r["status"] for r in out] == ["unverifiable"]
+
+
+def test_journal_line_rules(tmp_path):
+    """A malformed line that is not the last is an error naming it; unknown events are ignored; the file is
+    private (0600); only ready receipts with an id and a digest vouch."""
+    import os
+    import stat
+
+    import pytest
+    from genartifact.errors import ConfigError
+    from genartifact.journal import vouchers
+
+    j = DeliveryJournal(tmp_path / "j.jsonl")
+    did = j.intent(kind="k", object_id="o", ref={}, sha256="a" * 64, byte_count=1)
+    assert stat.S_IMODE(os.stat(tmp_path / "j.jsonl").st_mode) == 0o600
+    with open(tmp_path / "j.jsonl", "a") as f:
+        f.write(json.dumps({"event": "note", "id": did, "state": "ready"}) + "\n")
+    (d,) = j.deliveries()
+    assert d["last_state"] is None and d["kind"] == "k" and d["object_id"] == "o"  # neither outcome nor intent
+    with open(tmp_path / "j.jsonl", "a") as f:
+        f.write("{torn\n")
+    j.outcome(did, "ready")
+    with pytest.raises(ConfigError, match=r"j.jsonl:3 is not JSON"):
+        j.deliveries()
+    v = vouchers([], [{"state": "failed", "object_id": "o", "sha256": "b" * 64},
+                      {"state": "ready", "object_id": "o"}, {"state": "ready", "sha256": "c" * 64},
+                      {"state": "ready", "object_id": "o", "sha256": "d" * 64}])
+    assert v == {"o": {"d" * 64}}
+    assert vouchers([{"last_state": "failed", "object_id": "o", "sha256": "e" * 64},
+                     {"last_state": "ready", "object_id": "p", "sha256": "f" * 64}]) == {"p": {"f" * 64}}

@@ -18,7 +18,8 @@ from genartifact.types import Delta, ModelInfo
 
 QWEN = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
         "decoder_sparse_step": 1, "mlp_only_layers": []}
-MODEL = ModelInfo("tiny", QWEN, "vllm", "0.32.0", {"worker_extension": True, "enable_prefix_caching": False,
+MODEL = ModelInfo("tiny", QWEN, "vllm", "0.32.0", {"worker_capture": True,
+                                                   "worker_captures": ["moe_routes", "selected_logprobs"], "enable_prefix_caching": False,
                                                     "logprobs_mode": "raw_logprobs"})
 SETTINGS = {"managed_fsspec": {"profiles": {"mem": {"url": "memory://ga-test", "allowed_prefixes": ["runs/"]},
                                             "tiny": {"url": "memory://ga-tiny", "allowed_prefixes": ["runs/"],
@@ -56,10 +57,11 @@ class FakeEngine:
     async def worker_call(self, method, *args):
         self.calls.append((method, args))
         if self.routes is None:
-            return [None]
+            return [None, {"absent": "unknown", "dp_rank": 0, "tp_rank": 0}]
         _cid, start, end = args
         d = np.ascontiguousarray(self.routes[:, start:end])
-        return [{"shape": list(d.shape), "dtype": d.dtype.str, "data": d.tobytes(), "missing": self.missing}]
+        return [None, {"found": {"shape": list(d.shape), "dtype": d.dtype.str, "data": d.tobytes(),
+                                 "missing": self.missing}, "dp_rank": 0, "tp_rank": 0}]
 
 
 def lp(tokens, value=-0.5):
@@ -215,7 +217,7 @@ def test_admission_rejects_over_target_max_bytes(host):
 
 def test_admission_worst_case_routes_large_model(host):
     big = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8}
-    model = ModelInfo("big", big, engine_options={"worker_extension": True})
+    model = ModelInfo("big", big, engine_options={"worker_captures": ["moe_routes"]})
     s = session(host, spec(["moe_routes"]), model=model)
     with pytest.raises(AdmissionError, match="worst-case decoded"):
         s.admit(8192, 200_000)
@@ -223,7 +225,7 @@ def test_admission_worst_case_routes_large_model(host):
     assert 48 * 8 * 40959 < s.budget < 64 << 20
 
 
-@pytest.mark.parametrize("start", [-1, True, 1.5])
+@pytest.mark.parametrize("start", [-1, True, 1.5, 4, 10**6, 2**63])
 def test_invalid_routes_start(host, start):
     with pytest.raises(AdmissionError, match="routed_experts_prompt_start"):
         session(host, spec(["moe_routes"])).admit(3, 4, routes_start=start)
@@ -231,12 +233,12 @@ def test_invalid_routes_start(host, start):
 
 def test_moe_routes_without_route_source_names_the_setting(host):
     model = ModelInfo("x", QWEN, engine_options={})
-    with pytest.raises(AdmissionError, match="enable_return_routed_experts.*worker_extension_cls"):
+    with pytest.raises(AdmissionError, match="enable_return_routed_experts.*vllm.general_plugins"):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
 
 def test_moe_routes_refuses_prefix_caching_on_worker_path(host):
-    model = ModelInfo("x", QWEN, engine_options={"worker_extension": True, "enable_prefix_caching": True})
+    model = ModelInfo("x", QWEN, engine_options={"worker_captures": ["moe_routes"], "enable_prefix_caching": True})
     with pytest.raises(AdmissionError, match="enable_prefix_caching=False"):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
@@ -255,7 +257,7 @@ def test_moe_routes_refuses_prefix_caching_on_worker_path(host):
     ids=["family", "missing", "conflict", "topk", "no-moe"],
 )
 def test_router_layout_metadata_rejected(host, cfg, match):
-    model = ModelInfo("x", cfg, engine_options={"worker_extension": True})
+    model = ModelInfo("x", cfg, engine_options={"worker_captures": ["moe_routes"]})
     with pytest.raises(AdmissionError, match=match):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
@@ -312,7 +314,7 @@ async def test_missing_worker_rows_fail_receipt_and_store_nothing(host):
     full = np.zeros((4, 5, 2), np.uint8)
     r = await s.finalize(FakeEngine(full, missing=[0, 2]))
     assert r == {"format": "generation_artifact_v1", "contents": ["moe_routes"], "state": "failed",
-                 "error_code": "capture_invalid", "error": "captured engine data violated the admitted bounds"}
+                 "target": "managed_fsspec", "error_code": "capture_invalid", "error": "captured engine data violated the admitted bounds"}
     key = s.request.target["object_key"]
     assert not mem_exists(f"mem:{key}")
 
@@ -406,7 +408,7 @@ async def test_pipeline_concurrency_bounded_and_cancellation_semantics(host, mon
 
 def test_config_default_and_errors(tmp_path):
     cfg = parse(DEFAULT_TOML, source="default", base_dir=tmp_path)
-    assert cfg.plugins["contents"] == ["moe_routes", "selected_logprobs"]
+    assert cfg.plugins["contents"] == ["moe_routes", "selected_logprobs", "top_logprobs"]
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['sinks'\] in \[plugins\]"):
         parse("[plugins]\nsinks=[]", source="x", base_dir=tmp_path)
     with pytest.raises(ConfigError, match="lists a name twice"):
@@ -421,7 +423,9 @@ class FakeLogprobWorker:
 
     async def worker_call(self, method, *args):
         self.calls.append(method)
-        return [self.reply]
+        if self.reply is None:
+            return [{"absent": "unknown", "dp_rank": 0, "tp_rank": 0}]
+        return [{"found": self.reply, "dp_rank": 0, "tp_rank": 0}]
 
 
 @pytest.mark.parametrize(
@@ -447,3 +451,80 @@ async def test_worker_logprob_source_aligns_by_position_and_token(host, monkeypa
     if state == "ready":
         art = fmt.decode(fsspec.open(f"memory://ga-test/{r['object_id'].split(':', 1)[1]}", "rb").open().read())
         assert art.selected_logprobs().tolist() == [-0.5, float("-inf")]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_sampling_values_are_refused_by_name(host, bad):
+    with pytest.raises(AdmissionError, match="sampling temperature="):
+        session(host, spec()).admit(3, 4, sampling={"temperature": bad})
+
+
+def test_encoder_raises_format_error_for_non_json_values():
+    from genartifact import format as fmt
+    from genartifact.errors import ArtifactFormatError
+
+    for bad in ({"x": float("nan")}, {"x": object()}, {"x": float("inf")}):
+        with pytest.raises(ArtifactFormatError, match="canonical JSON"):
+            fmt.canonical_json(bad)
+
+
+def test_admission_counts_token_bytes(host, monkeypatch):
+    """A 3,000-token prompt needs 12 KB of uint32 token ids: under a 20,000-byte decoded limit it must be refused
+    before inference, not fail after it."""
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "20000")
+    s = session(host, spec(["selected_logprobs"]))
+    with pytest.raises(AdmissionError, match="worst-case decoded"):
+        s.admit(3000, 1)
+    session(host, spec(["selected_logprobs"])).admit(500, 1)  # 2 KB of tokens fits
+
+
+async def test_route_row_count_mismatch_is_capture_invalid(host):
+    """Native routes with one row fewer than prompt + completion - 1: the producer's row-count check refuses
+    it (capture_invalid, nothing stored), not the encoder."""
+    from genartifact.errors import CaptureError
+    from genartifact.types import FinalContext
+
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "first_k_dense_replace": 1}
+    model = ModelInfo("ds", cfg, engine_options={"native_routed_experts": True})
+    s = session(host, spec(["moe_routes"]), model=model)
+    s.admit(3, 2)
+    s.record(Delta([1, 2, 3], [4], None))
+    s.record(Delta([1, 2, 3], [5], None, routed_experts=np.zeros((3, 3, 2), np.int64), finished=True))
+    producer = s._producers[0]
+    with pytest.raises(CaptureError, match="3 rows captured; expected prompt \\+ completion - 1 - start = 4"):
+        producer.finalize(FinalContext(3, 2))
+    r = await s.finalize()
+    assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+
+
+def test_worst_case_formula_is_exact(host):
+    """docs/receipts.md: 8192 + header JSON + 64 per tensor + 4·(P + max_tokens) + content worst cases."""
+    from genartifact import format as fmt
+    from genartifact.session import MANIFEST_BASE_BYTES
+
+    s = session(host, spec(["selected_logprobs"]))
+    s.admit(10, 7)
+    header = len(fmt.canonical_json(s._header))
+    tensors = 1 + 2 * 1  # token_ids + per content (tensor + alignment slack)
+    assert s.budget == MANIFEST_BASE_BYTES + header + 64 * tensors + 4 * (10 + 7) + (4 * 7 + 128)
+
+
+@pytest.mark.parametrize("prompt, max_tokens, field", [(-1, 4, "prompt_token_count"), (3, 0, "max_tokens"),
+                                                       (True, 4, "prompt_token_count"), (3, 2.0, "max_tokens")])
+def test_admission_token_counts_are_checked_by_name(host, prompt, max_tokens, field):
+    with pytest.raises(AdmissionError, match=field):
+        session(host, spec()).admit(prompt, max_tokens)
+
+
+async def test_every_delivery_journals_an_outcome(host, tmp_path):
+    from genartifact.journal import DeliveryJournal
+
+    j = DeliveryJournal(tmp_path / "j.jsonl")
+    key = f"runs/{uuid.uuid4().hex}.gart"
+    for _ in range(2):  # ready, then object_exists
+        s = ArtifactSession.for_request(host, parse_request(spec(key=key)), MODEL, SETTINGS, j)
+        s.admit(2, 1)
+        s.record(Delta([1, 2], [3], lp([3]), finished=True))
+        await s.finalize()
+    assert [(d["last_state"], d["last_code"]) for d in j.deliveries()] == [("ready", None), ("failed", "object_exists")]

@@ -58,16 +58,32 @@ def source():
         "genartifact.probes": [],
     }
 
+    class Producer:
+        def __init__(self, name):
+            self.name = name
+
+        def admit(self, ctx): return 0
+        def sampling_overrides(self, params): pass
+        def on_delta(self, delta): pass
+        async def collect(self, final): pass
+        def finalize(self, final): return {}, []
+        def retained_bytes(self): return 0
+        def release(self): pass
+
     @hookimpl
     def genartifact_content_producer(name, model):
-        return f"producer:{name}" if name == "alpha" else None
+        return Producer(name) if name == "alpha" else None
+
+    @hookimpl
+    def genartifact_engine_options(options):
+        options.setdefault("order", []).append("beta")
 
     @hookimpl
     def genartifact_captrue(name):  # misspelled hook
         return None
 
     make_module("fake_alpha", genartifact_content_producer=genartifact_content_producer)
-    make_module("fake_beta")
+    make_module("fake_beta", genartifact_engine_options=genartifact_engine_options)
     make_module("fake_typo", genartifact_captrue=genartifact_captrue)
 
     def src(group):
@@ -88,7 +104,8 @@ def test_only_selected_plugins_are_loaded_in_config_order(source):
     host = PluginHost({"contents": ["beta", "alpha"]}, source=source)
     assert [p.name for p in host.enabled["contents"]] == ["beta", "alpha"]
     assert source.loads == ["beta", "alpha"]
-    assert host.hooks.content_producer(name="alpha", model=None) == "producer:alpha"
+    p = host.hooks.content_producer(name="alpha", model=None)
+    assert p.name == "alpha" and p.inner.name == "alpha" and p.info.dist == "dist-a"
 
 
 def test_unknown_name_lists_installed_with_versions_and_suggests(source):
@@ -113,7 +130,8 @@ def test_import_failure_names_plugin_distribution_version_and_cause(source):
 
 
 def test_unknown_hook_implementation_rejected_at_startup(source):
-    with pytest.raises(pluggy.PluginValidationError, match="genartifact_captrue"):
+    with pytest.raises(PluginLoadError, match=r"typo_hook.*dist-d 0.1.*genartifact_captrue is not a genartifact "
+                                              r"hook; did you mean"):
         PluginHost({"contents": ["typo-hook"]}, source=source)
 
 

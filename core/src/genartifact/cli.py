@@ -28,10 +28,48 @@ def _read_capped(f: Any, what: str) -> bytes:
     return bytes(data)
 
 
+REF_HELP = "file path, fsspec URL (needs fsspec), or KIND:OBJECT_ID (KIND = an installed target kind)"
+
+
+def _target_for_kind(kind: str, cfg_path: str | None) -> Any:
+    """The (guarded) storage target of an installed ``kind`` built from the config's settings, for read-back.
+    Raises :class:`GenartifactError` naming the installed kinds when ``kind`` is not one of them."""
+    from genartifact.host import PluginHost, normalize
+
+    kind = normalize(kind)
+    cfg = config_mod.load(cfg_path)
+    host = PluginHost({"targets": [kind]})
+    target = host.hooks.storage_target(kind=kind, settings=cfg.target_settings().get(kind, {"base_dir": str(cfg.base_dir)}))
+    if target is None:
+        raise GenartifactError(f"target kind '{kind}': its plugin returned no target")
+    return target
+
+
+def split_ref(ref: str) -> tuple[str, str] | None:
+    """``KIND:OBJECT_ID`` -> ``(kind, object_id)`` when KIND is an installed target kind, else None. Object ids
+    are unambiguous: the kind is always explicit (``managed_fsspec:local:runs/x.gart``), so a profile name can
+    never shadow a target kind (docs/receipts.md)."""
+    from genartifact.host import PluginHost, normalize
+
+    m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_-]{0,63}):(.+)", ref, flags=re.S)
+    if not m:
+        return None
+    kind = normalize(m.group(1))
+    return (kind, m.group(2)) if kind in PluginHost({}).installed("targets") else None
+
+
+async def _aread(target: Any, object_id: str, what: str) -> bytes:
+    from genartifact.format import MAX_OBJECT_BYTES
+
+    return await target.open(object_id, MAX_OBJECT_BYTES)
+
+
 def _read_object(ref: str, cfg_path: str | None) -> bytes:
-    """Read an object by local path, fsspec URL (``s3://…``, ``memory://…``) or ``profile:key`` of a
-    managed_fsspec profile in the config. Reads at most the largest valid object size (+1 byte to detect
-    more). Raises :class:`GenartifactError` with a clean message for anything missing or unreadable."""
+    """Read an object by local path, fsspec URL (``s3://…``, ``memory://…``; needs the ``fsspec`` package) or
+    ``KIND:OBJECT_ID`` through that target kind's read-back (``StorageTarget.open``). Reads at most the largest
+    valid object size. Raises :class:`GenartifactError` with a clean message for anything missing or unreadable."""
+    import asyncio
+
     try:
         p = Path(ref)
         if p.exists():
@@ -40,25 +78,21 @@ def _read_object(ref: str, cfg_path: str | None) -> bytes:
             with p.open("rb") as f:
                 return _read_capped(f, ref)
         if "://" in ref:
-            import fsspec
-
+            try:
+                import fsspec
+            except ImportError:
+                raise GenartifactError("reading URLs needs the fsspec package (pip install fsspec)") from None
             with fsspec.open(ref, "rb") as f:
-                return _read_capped(f, ref)
-        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63}):(.+)", ref)
-        if m:
-            cfg = config_mod.load(cfg_path)
-            from genartifact_fsspec_target import fs_and_path, parse_profiles, validate_key
-
-            profiles = parse_profiles(cfg.targets.get("managed_fsspec", {}), cfg.base_dir)
-            if m.group(1) in profiles:
-                fs, path = fs_and_path(profiles[m.group(1)], validate_key(m.group(2)))
-                with fs.open(path, "rb") as f:
-                    return _read_capped(f, ref)
+                return _read_capped(f, _safe(ref.split("?", 1)[0]))
+        kr = split_ref(ref)
+        if kr is not None:
+            target = _target_for_kind(kr[0], cfg_path)
+            return asyncio.run(_aread(target, kr[1], ref))
     except GenartifactError:
         raise
     except (OSError, ValueError) as e:
-        raise GenartifactError(f"object {ref!r} cannot be read: {type(e).__name__}") from None
-    raise GenartifactError(f"object {ref!r} not found: give a file path, an fsspec URL or profile:key")
+        raise GenartifactError(f"object {_safe(ref.split('?', 1)[0])!r} cannot be read: {type(e).__name__}") from None
+    raise GenartifactError(f"object {_safe(ref)!r} not found: give a {REF_HELP}")
 
 
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -70,8 +104,7 @@ def _safe(value: Any) -> str:
 
 
 def _summary(art: Any) -> dict[str, Any]:
-    import numpy as np
-
+    """The generic envelope plus, under each content's name, its reader's summary (from the content plugin)."""
     m = art.manifest
     out: dict[str, Any] = {
         "format": m["format"],
@@ -84,41 +117,97 @@ def _summary(art: Any) -> dict[str, Any]:
         "header": m["header"],
         "tensors": [{k: r[k] for k in ("name", "dtype", "shape", "byte_count")} for r in m["tensors"]],
     }
-    if "moe_routes" in m["sections"]:
-        s = m["sections"]["moe_routes"]
-        routes = art.routes()
-        out["moe_routes"] = {
-            "rows": int(routes.shape[0]),
-            "routers": s["router_ids"],
-            "top_k": s["top_k"],
-            "token_start": s["token_start"],
-            "source": s.get("source"),
-            "first_row": routes[0].tolist() if routes.shape[0] else [],
-        }
-    if "selected_logprobs" in m["sections"]:
-        lp = art.selected_logprobs()
-        finite = lp[np.isfinite(lp)]
-        out["selected_logprobs"] = {
-            "count": int(lp.size),
-            "mean": float(finite.mean()) if finite.size else None,
-            "neg_inf": int(np.isneginf(lp).sum()),
-        }
+    for name, summary in art.summary().items():
+        out.setdefault(name, summary)
     return out
 
 
-def cmd_plugins(args: argparse.Namespace) -> int:
-    from genartifact.host import PluginHost
+def survey(cfg_path: str | None, *, check: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every installed plugin (all groups, commands included) as rows, plus the problems found — never raises
+    for a broken config or install. Enabled plugins (and, with ``check``, every installed one) are imported and
+    validated one by one; with ``check`` the config's plugin set is also loaded together and every enabled
+    target is built from its settings. A problem names the plugin and the fix."""
+    from genartifact.host import GROUPS, KINDS, PluginHost, _default_source, load_command, normalize
 
-    cfg = config_mod.load(args.config)
-    host = PluginHost(cfg.plugins)
-    rows = host.listing()
+    problems: list[str] = []
+    cfg = None
+    try:
+        cfg = config_mod.load(cfg_path)
+    except GenartifactError as e:
+        problems.append(f"config: {e}")
+    enabled = {k: [normalize(n) for n in (cfg.plugins.get(k, []) if cfg else [])] for k in KINDS}
+    rows: list[dict[str, Any]] = []
+    for kind, group in GROUPS.items():
+        seen: dict[str, dict[str, Any]] = {}
+        try:
+            eps = list(_default_source(group))
+        except Exception as e:  # noqa: BLE001 - a broken install must not hide the listing
+            problems.append(f"{group}: entry points cannot be listed: {type(e).__name__}: {e}")
+            eps = []
+        for ep in eps:
+            dist = getattr(ep, "dist", None)
+            row = {"kind": kind, "name": normalize(ep.name), "dist": getattr(dist, "name", None) or "unknown",
+                   "version": getattr(dist, "version", None) or "unknown", "value": ep.value,
+                   "enabled": kind == "commands" or normalize(ep.name) in enabled.get(kind, []), "hooks": [],
+                   "problem": None}
+            prev = seen.get(row["name"])
+            if prev is not None:
+                if prev["dist"] == row["dist"]:
+                    continue
+                row["problem"] = prev["problem"] = (f"{kind[:-1]} '{row['name']}' is provided by {prev['dist']} and "
+                                                    f"{row['dist']}; uninstall one")
+            seen[row["name"]] = row
+            rows.append(row)
+    for row in rows:
+        if row["problem"] or not (check or row["enabled"]) or row["kind"] == "commands" and not check:
+            continue
+        try:
+            if row["kind"] == "commands":
+                probe = argparse.ArgumentParser(prog=f"genartifact {row['name']}", conflict_handler="resolve")
+                probe.add_argument("--config")  # as the real subcommand parser has it
+                load_command(row["name"], probe)
+                row["hooks"] = ["genartifact_command"]
+            else:
+                host = PluginHost({row["kind"]: [row["name"]]})
+                row["hooks"] = next(r["hooks"] for r in host.listing() if r["kind"] == row["kind"]
+                                    and r["name"] == row["name"])
+        except GenartifactError as e:
+            row["problem"] = str(e)
+    for kind in KINDS:
+        installed = {r["name"] for r in rows if r["kind"] == kind}
+        for name in enabled[kind]:
+            if name not in installed:
+                problems.append(f"config [plugins].{kind} enables '{name}', which no installed distribution provides")
+    problems.extend(f"{r['kind']} '{r['name']}' ({r['dist']} {r['version']}): {r['problem']}" for r in rows
+                    if r["problem"])
+    if check and cfg is not None and not problems:
+        try:
+            host = cfg.host()
+            settings = cfg.target_settings()
+            for p in host.enabled["targets"]:
+                host.hooks.storage_target(kind=p.name, settings=settings.get(p.name, {}))
+        except GenartifactError as e:
+            problems.append(f"config {cfg.source}: {e}")
+    return rows, problems
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """List installed plugins (even with a broken config or install: problems are listed, not raised); with
+    ``--check`` import and validate every installed plugin and exit 1 if anything is wrong."""
+    rows, problems = survey(args.config, check=args.check)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"plugins": rows, "problems": problems}, indent=2))
     else:
         print(f"{'kind':9} {'name':20} {'distribution':28} {'version':8} enabled")
         for r in rows:
-            print(f"{r['kind']:9} {r['name']:20} {r['dist']:28} {r['version']:8} {'yes' if r['enabled'] else 'no'}")
-    return 0
+            flag = "yes" if r["enabled"] else "no"
+            print(_safe(f"{r['kind']:9} {r['name']:20} {r['dist']:28} {r['version']:8} {flag}"
+                        + ("  PROBLEM" if r["problem"] else "")))
+        for p in problems:
+            print(_safe(f"problem: {p}"))
+        if args.check and not problems:
+            print(f"OK: {len(rows)} plugins imported and validated")
+    return 1 if args.check and problems else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -137,13 +226,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(_safe(f"engine: {hdr.get('engine')}  model: {model.get('name')}"))
         for t in s["tensors"]:
             print(_safe(f"  {t['name']:28} {t['dtype']:4} {str(t['shape']):18} {t['byte_count']} bytes"))
-        if "moe_routes" in s:
-            r = s["moe_routes"]
-            print(_safe(f"moe_routes: {r['rows']} rows x {len(r['routers'])} routers {r['routers']} x top-{r['top_k']}, "
-                        f"start {r['token_start']}, source {r['source']}; row 0: {r['first_row']}"))
-        if "selected_logprobs" in s:
-            lp = s["selected_logprobs"]
-            print(f"selected_logprobs: {lp['count']} values, mean {lp['mean']}")
+        from genartifact.readers import reader_for
+
+        for name in s["contents"]:
+            fn = getattr(reader_for(name), "summary_text", None)
+            text = fn(s[name]) if fn is not None else json.dumps(s[name], sort_keys=True)
+            print(_safe(f"{name}: {text}"))
     return 0
 
 
@@ -167,20 +255,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_receipts(path: str, cfg_path: str | None) -> int:
-    """Check every ready receipt of a receipts.jsonl: object readable, SHA-256 and size match, strict decode.
-    Each bad line or object counts as a failure; nothing aborts the scan."""
+    """Check every ready receipt of a receipts.jsonl: object readable through its target kind's read-back
+    (the receipt's ``target`` field + ``object_id``), SHA-256 and size match, strict decode (each content by its
+    plugin's reader). Each bad line or object counts as a failure; nothing aborts the scan."""
     from genartifact.format import decode
 
     try:
         lines = [x for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise GenartifactError(f"receipts file {path!r} cannot be read: {type(e).__name__}") from None
+    import asyncio
+
     bad = 0
+    targets: dict[str, Any] = {}
     for n, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
             if not isinstance(r, dict):
                 raise ValueError("not an object")
+            if isinstance(r.get("generation_artifact"), dict):  # a serve response's artifact block
+                r = {"index": r.get("index", n), **r["generation_artifact"]}
         except ValueError:
             print(f"line {n}: not a JSON object")
             bad += 1
@@ -194,8 +288,16 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
             print(f"{label}: ready receipt without object_id/sha256")
             bad += 1
             continue
+        if not isinstance(r.get("target"), str):
+            print(f"{label}: receipt has no 'target' kind (written before receipts named it); verify the object "
+                  f"with: genartifact verify KIND:{_safe(r['object_id'])} --sha256 {_safe(r['sha256'])}")
+            bad += 1
+            continue
         try:
-            data = _read_object(r["object_id"], cfg_path)
+            kind = r["target"]
+            if kind not in targets:
+                targets[kind] = _target_for_kind(kind, cfg_path)
+            data = asyncio.run(_aread(targets[kind], r["object_id"], r["object_id"]))
             if hashlib.sha256(data).hexdigest() != r["sha256"] or len(data) != r.get("byte_count"):
                 raise GenartifactError("sha256 or byte_count mismatch")
             decode(data)
@@ -327,12 +429,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve_cli(args)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from genartifact_fpm_bench.cli import main as bench_main
-
-    return bench_main(args)
-
-
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from genartifact.engine.tiny_model import make_tiny_model
 
@@ -344,9 +440,43 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_command(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (first token not starting with ``-``; global options take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _add_plugin_commands(sub: Any, add: Any, argv: list[str] | None) -> None:
+    """One subparser per ``genartifact.commands`` entry point (built-in names win). Only the chosen command's
+    plugin is imported (:func:`genartifact.host.load_command`), so ``--help`` stays fast."""
+    from genartifact.host import _default_source, normalize
+
+    chosen = _chosen_command(argv or [])
+    try:
+        eps = list(_default_source("genartifact.commands"))
+    except Exception:  # noqa: BLE001 - `genartifact plugins` reports a broken install
+        eps = []
+    for ep in eps:
+        name = ep.name  # as its distribution spells it (``replay-check``); matched with - and _ alike
+        if name in sub.choices or normalize(name) in {normalize(c) for c in sub.choices}:
+            continue
+        dist = getattr(ep, "dist", None)
+        help_ = f"plugin command ({getattr(dist, 'name', 'unknown')} {getattr(dist, 'version', '')})".strip()
+        if chosen is not None and normalize(chosen) == normalize(name):
+            from genartifact.host import load_command
+
+            # a plugin may declare its own --config (it then replaces core's): conflicts resolve to the plugin's
+            p = sub.add_parser(name, help=help_, conflict_handler="resolve")
+            p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
+            p.set_defaults(fn=load_command(name, p))
+        else:
+            add(name, None, help_)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser; ``argv`` (the command line) selects which plugin command, if any, is loaded."""
     ap = argparse.ArgumentParser(prog="genartifact", description=__doc__)
     ap.add_argument("--log-json", action="store_true", help="JSON log lines instead of console output")
+    ap.add_argument("--traceback", action="store_true", help="print the full traceback of any error")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
@@ -355,13 +485,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="TOML config (default: $GENARTIFACT_CONFIG or the embedded default)")
         return p
 
-    p = add("plugins", cmd_plugins, "list installed and enabled plugins")
+    p = add("plugins", cmd_plugins, "list installed and enabled plugins (problems included)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--check", action="store_true", help="import and validate every installed plugin; exit 1 on problems")
     p = add("inspect", cmd_inspect, "decode and summarize an artifact")
-    p.add_argument("object", help="file path, fsspec URL, or profile:key")
+    p.add_argument("object", help=REF_HELP)
     p.add_argument("--json", action="store_true")
     p = add("verify", cmd_verify, "check an artifact's SHA-256 and decode it strictly")
-    p.add_argument("object", nargs="?")
+    p.add_argument("object", nargs="?", help=REF_HELP)
     p.add_argument("--sha256", help="expected SHA-256 (hex); without it only the strict decode is checked")
     p.add_argument("--receipts", help="verify every receipt of a receipts.jsonl instead")
     p = add("generate", cmd_generate, "run prompts through vLLM and store one artifact per request")
@@ -372,8 +503,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KIND:PROFILE shorthand for managed_fsspec, or a JSON target object")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default=None,
-                   help="receipts.jsonl path, must not exist (default: artifacts/runs/<run-id>/receipts.jsonl)")
+                   help="receipts.jsonl path, must not exist unless --resume (default: artifacts/runs/<run-id>/receipts.jsonl)")
     p.add_argument("--run-id", default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run --run-id/--out: rerun only rows without a ready receipt (objects already "
+                        "stored with the journaled SHA-256 are recognised by read-back)")
     accept_engine_args(p)  # plus vLLM's own engine arguments (parsed lazily: genartifact.engine.engine_args)
     p = add("serve", cmd_serve, "OpenAI-compatible + token-in/out HTTP server; requests may ask for artifacts")
     p.add_argument("--model", required=True, help="local model directory")
@@ -381,13 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--drain-s", type=float, default=30.0, help="graceful shutdown: wait this long for deliveries")
     accept_engine_args(p)
-    try:  # the FPM self-benchmark ships as its own distribution
-        from genartifact_fpm_bench.cli import add_arguments as bench_arguments
-    except ImportError:
-        bench_arguments = None
-    if bench_arguments is not None:
-        p = add("bench", cmd_bench, "FPM self-benchmark: run a rank, merge ranks, render a report")
-        bench_arguments(p)
+    _add_plugin_commands(sub, add, argv)
     p = add("reconcile", cmd_reconcile, "list uploads without a ready receipt (crash leftovers); --delete removes them")
     p.add_argument("--journal", help="journal path (default: [journal].path of the config)")
     p.add_argument("--delete", action="store_true",
@@ -406,17 +534,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args, extra = ap.parse_known_args(argv)
-    if extra and not takes_engine_args(args):
-        ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.engine_argv = extra  # vLLM engine arguments, parsed by the engine command (engine_args.engine_kwargs)
-    configure_logging(json_lines=args.log_json)
+    """Run the CLI. Exit codes: 0 ok; 1 the command's own failure verdict (e.g. not every receipt ready);
+    2 an error (one ``error:`` line: bad input, config, plugin or storage — every :class:`GenartifactError`,
+    including those plugins raise); 3 an unexpected internal error (one line; ``--traceback`` shows the trace);
+    130 interrupted."""
+    import traceback
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = _chosen_command(argv)
+    show_tb = "--traceback" in (argv[: argv.index(cmd)] if cmd is not None else argv)
     try:
+        ap = build_parser(argv)
+        args, extra = ap.parse_known_args(argv)
+        if extra and not takes_engine_args(args):
+            ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.engine_argv = extra  # vLLM engine arguments, parsed by the engine command (engine_args.engine_kwargs)
+        configure_logging(json_lines=args.log_json)
         return int(args.fn(args) or 0)
     except GenartifactError as e:
+        if show_tb:
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line unless --traceback
+        from genartifact.host import redact
+
+        if show_tb:
+            traceback.print_exc()
+        print(f"error: unexpected {type(e).__name__}: {redact(str(e))} (run with --traceback for the full trace)",
+              file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

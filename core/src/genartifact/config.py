@@ -18,7 +18,7 @@ from genartifact.host import KINDS
 DEFAULT_TOML = """\
 # genartifact embedded default configuration
 [plugins]
-contents = ["moe_routes", "selected_logprobs"]
+contents = ["moe_routes", "selected_logprobs", "top_logprobs"]
 targets = ["managed_fsspec"]
 probes = []
 
@@ -34,21 +34,35 @@ path = "./artifacts/journal.jsonl"   # delivery intents/outcomes for `genartifac
 @dataclass(frozen=True)
 class Config:
     """Parsed configuration. ``plugins``: kind -> ordered names; ``targets``: kind -> settings table;
-    ``base_dir``: directory relative paths in settings resolve against (the config file's directory,
-    or the working directory for the embedded default)."""
+    ``contents``: content name -> settings table (``[contents.<name>]``); ``base_dir``: directory relative
+    paths in settings resolve against (the config file's directory, or the working directory for the
+    embedded default)."""
 
     plugins: dict[str, list[str]]
     targets: dict[str, dict[str, Any]] = field(default_factory=dict)
     base_dir: Path = field(default_factory=Path.cwd)
     source: str = "<embedded default>"
     journal_path: Path | None = None
+    contents: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: the ``[engine]`` table: vLLM engine arguments (see :mod:`genartifact.engine.engine_args`), unparsed here
     engine: dict[str, Any] = field(default_factory=dict)
 
     def target_settings(self) -> dict[str, dict[str, Any]]:
-        """Per target kind its settings table, with ``base_dir`` added for resolving relative paths."""
-        return {k: {**v, "base_dir": str(self.base_dir)} if k == "managed_fsspec" else dict(v)
-                for k, v in self.targets.items()}
+        """Per enabled or configured target kind its settings table, with ``base_dir`` (str) added for
+        resolving relative paths: every target gets it (``base_dir`` is a reserved settings key)."""
+        kinds = {*self.targets, *(n.replace("-", "_") for n in self.plugins.get("targets", []))}
+        return {k: {**self.targets.get(k, {}), "base_dir": str(self.base_dir)} for k in kinds}
+
+    def content_settings(self) -> dict[str, dict[str, Any]]:
+        """Per enabled or configured content its ``[contents.<name>]`` table plus ``base_dir`` (str)."""
+        names = {*self.contents, *(n.replace("-", "_") for n in self.plugins.get("contents", []))}
+        return {k: {**self.contents.get(k, {}), "base_dir": str(self.base_dir)} for k in names}
+
+    def host(self, **kwargs: Any) -> Any:
+        """A :class:`~genartifact.host.PluginHost` with this config's enabled plugins and content settings."""
+        from genartifact.host import PluginHost
+
+        return PluginHost(self.plugins, content_settings=self.content_settings(), **kwargs)
 
     def journal(self) -> Any:
         """The configured :class:`~genartifact.journal.DeliveryJournal`, or None."""
@@ -63,10 +77,10 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
-    extra = set(data) - {"plugins", "targets", "journal", "engine"}
+    extra = set(data) - {"plugins", "targets", "contents", "journal", "engine"}
     if extra:
         raise ConfigError(f"{source}: unknown top-level key(s) {sorted(extra)}; "
-                          "allowed: ['engine', 'journal', 'plugins', 'targets']")
+                          "allowed: ['contents', 'engine', 'journal', 'plugins', 'targets']")
     engine = data.get("engine", {})
     if not isinstance(engine, Mapping):
         raise ConfigError(f"{source}: [engine] must be a table of vLLM engine arguments")
@@ -92,8 +106,19 @@ def parse(text: str, *, source: str, base_dir: Path) -> Config:
     targets = data.get("targets", {})
     if not isinstance(targets, Mapping) or not all(isinstance(v, Mapping) for v in targets.values()):
         raise ConfigError(f"{source}: [targets.<kind>] entries must be tables")
-    return Config(plugins=plugins, targets={k: dict(v) for k, v in targets.items()}, base_dir=base_dir, source=source,
-                  journal_path=journal_path, engine=dict(engine))
+    for k, v in targets.items():
+        if "base_dir" in v:
+            raise ConfigError(f"{source}: [targets.{k}].base_dir is reserved (set to the config file's directory)")
+    contents = data.get("contents", {})
+    if not isinstance(contents, Mapping) or not all(isinstance(v, Mapping) for v in contents.values()):
+        raise ConfigError(f"{source}: [contents.<name>] entries must be tables")
+    for k, v in contents.items():
+        if "base_dir" in v:
+            raise ConfigError(f"{source}: [contents.{k}].base_dir is reserved (set to the config file's directory)")
+    return Config(plugins=plugins, targets={k.replace("-", "_"): dict(v) for k, v in targets.items()},
+                  base_dir=base_dir, source=source, journal_path=journal_path,
+                  contents={k.replace("-", "_"): dict(v) for k, v in contents.items()},
+                  engine=dict(engine))
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:

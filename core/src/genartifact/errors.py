@@ -62,8 +62,30 @@ class DuplicatePluginError(PluginError):
 
 
 class PluginLoadError(PluginError, ImportError):
-    """Importing a selected plugin's entry point failed."""
+    """Importing or validating a selected plugin's entry point failed (import error, no ``@hookimpl``
+    function, a misspelled ``genartifact_*`` hook, two entry points resolving to one object)."""
+
+
+class PluginFault(PluginError):
+    """A plugin broke its contract while serving one request: it raised an exception outside its documented
+    set, or returned a value of the wrong type/shape. The request gets a ``failed`` receipt with
+    ``error_code: internal_error``; other requests run on.
+
+    ``plugin``: ``"<name> (<distribution> <version>)"``; ``method``: the plugin method or hook that failed;
+    ``error_type``: the original exception's class name (or ``"bad_return"`` for a return-value violation).
+    The message is already redacted (no URLs' queries, credentials or signed header values)."""
+
+    def __init__(self, message: str, *, plugin: str = "", method: str = "", error_type: str = "") -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.method = method
+        self.error_type = error_type
 
 
 class ConfigError(GenartifactError, ValueError):
     """The TOML configuration is invalid."""
+
+
+class EngineStartError(GenartifactError, RuntimeError):
+    """The engine started but its workers disagree with the driver (e.g. a worker enabled a different set of
+    contents/probes than the engine sent in ``init``); the engine is shut down."""

@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +77,12 @@ def encoded_size_bound(decoded_bytes: int) -> int:
 
 
 def canonical_json(obj: Any) -> bytes:
-    """Canonical manifest bytes: sorted keys, no whitespace, ASCII only, no NaN/Infinity."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    """Canonical manifest bytes: sorted keys, no whitespace, ASCII only, no NaN/Infinity.
+    Raises :class:`ArtifactFormatError` for values JSON cannot carry (NaN, infinities, non-JSON types)."""
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ArtifactFormatError(f"manifest value not representable in canonical JSON: {e}") from None
 
 
 def route_dtype_code(max_expert_count: int) -> str:
@@ -188,13 +194,14 @@ def build_manifest(inp: ArtifactInput) -> tuple[dict[str, Any], list[TensorPart]
     return manifest, parts
 
 
-def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL) -> EncodedArtifact:
+def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL, readers: Mapping[str, Any] | None = None) -> EncodedArtifact:
     """Encode ``inp`` to ``generation_artifact_v1`` bytes.
 
-    Deterministic: the same input gives the same bytes (and SHA-256). Content checks that need the
-    manifest (expert-id range, logprob finiteness) run here via :func:`validate`, so an object that
-    would not read back is never produced. Raises :class:`ArtifactFormatError` on invalid input or when
-    the decoded body would exceed :data:`MAX_DECODED_BYTES`.
+    Deterministic: the same input gives the same bytes (and SHA-256). Each content's reader validates its
+    section and tensors here too (``readers``: content name -> reader, else looked up by
+    :func:`genartifact.readers.reader_for`), so an object that would not read back is never produced. Raises
+    :class:`ArtifactFormatError` on invalid input, a content without a reader, or when the decoded body would
+    exceed :data:`MAX_DECODED_BYTES`.
     """
     manifest, parts = build_manifest(inp)
     mbytes = canonical_json(manifest)
@@ -217,7 +224,7 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL) -> EncodedArtifact:
         dst = body[o : o + ref["byte_count"]].view(DTYPES[ref["dtype"]]).reshape(ref["shape"])
         np.copyto(dst, part.array, casting="same_kind")
         pos = o + ref["byte_count"]
-    _validate_contents(manifest, _views(manifest, memoryview(body), payload_start))
+    _validate_contents(manifest, _views(manifest, memoryview(body), payload_start), readers)
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
     frame = cctx.compress(body)
     data = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD) + frame
@@ -231,14 +238,21 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL) -> EncodedArtifact:
 class Artifact:
     """A decoded, validated artifact. Arrays are read-only zero-copy views into the decoded body.
 
-    ``token_ids``: ``uint32 [P + C]``. :meth:`routes` gives ``[rows, routers, top_k]``;
-    :meth:`selected_logprobs` gives ``float32 [C]``.
+    ``token_ids``: ``uint32 [P + C]``. :meth:`content` gives a content's typed view (from its plugin's reader);
+    :meth:`routes` (``[rows, routers, top_k]``) and :meth:`selected_logprobs` (``float32 [C]``) are shortcuts
+    to the built-in contents' tensors.
     """
 
     manifest: dict[str, Any]
     tensors: dict[str, np.ndarray]
     sha256: str
     byte_count: int
+    readers: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def _reader(self, name: str) -> Any:
+        from genartifact.readers import reader_for
+
+        return self.readers.get(name) or reader_for(name)
 
     @property
     def contents(self) -> list[str]:
@@ -266,6 +280,27 @@ class Artifact:
     def selected_logprobs(self) -> np.ndarray:
         """``float32 [completion_token_count]``: logprob of each sampled token. ``KeyError`` if absent."""
         return self.tensors["selected_logprobs.logprobs"]
+
+    def content(self, name: str) -> Any:
+        """The typed view of content ``name`` from its reader's optional ``view(manifest, section, tensors)``
+        (else the dict of its tensors). Raises ``KeyError`` when the artifact has no such content."""
+        if name not in self.manifest["sections"]:
+            raise KeyError(name)
+        own = {k: v for k, v in self.tensors.items() if k.split(".", 1)[0] == name}
+        reader = self._reader(name)
+        view = getattr(reader, "view", None)
+        return view(self.manifest, self.manifest["sections"][name], own) if view is not None else own
+
+    def summary(self) -> dict[str, Any]:
+        """Per content name its reader's ``summary(manifest, section, tensors)`` (JSON-compatible); a content
+        without an installed reader gets ``{"tensors": [names]}``."""
+        out = {}
+        for name in self.manifest["contents"]:
+            own = {k: v for k, v in self.tensors.items() if k.split(".", 1)[0] == name}
+            reader = self._reader(name)
+            fn = getattr(reader, "summary", None)
+            out[name] = fn(self.manifest, self.manifest["sections"][name], own) if fn else {"tensors": sorted(own)}
+        return out
 
     def to_torch(self, name: str) -> Any:
         """Tensor ``name`` as a ``torch.Tensor`` (copy; torch needs writable memory). Imports torch lazily."""
@@ -298,15 +333,21 @@ def read_prelude(data: bytes | memoryview) -> None:
 MAX_OBJECT_BYTES = encoded_size_bound(MAX_DECODED_BYTES)
 
 
-def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | None = None) -> Artifact:
+def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | None = None,
+           require_readers: bool = True, readers: Mapping[str, Any] | None = None) -> Artifact:
     """Decode and validate one object. Bounded: objects larger than the encoded bound of the decoded limit
     are refused, and the frame's declared content size is checked against the decoded limit before any
     allocation. The decoded limit is ``max_decoded_bytes``, else ``GENARTIFACT_MAX_DECODED_BYTES``, capped at
     :data:`MAX_DECODED_BYTES` (64 MiB).
 
+    The generic envelope is checked here; each content's section and tensors are checked by its reader (the
+    content plugin's ``genartifact_content_reader``; ``readers`` overrides the lookup). Built-in and third-party
+    contents alike: a content whose reader is not installed fails unless ``require_readers=False``.
+
     Raises :class:`ArtifactFormatError` (never another exception type) for non-bytes input, bad
     magic/version/codec, truncation, a frame without a declared size, trailing data or extra frames, a
-    malformed or non-canonical manifest, bad tensor placement, out-of-range expert ids, NaN/+inf logprobs.
+    malformed or non-canonical manifest, bad tensor placement, or a content its reader rejects (e.g.
+    out-of-range expert ids, NaN/+inf logprobs).
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ArtifactFormatError(f"data must be bytes-like, got {type(data).__name__}")
@@ -323,7 +364,10 @@ def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | Non
                     f"{encoded_size_bound(limit)}")
     data = bytes(data)
     read_prelude(data)
-    frame = data[PRELUDE_SIZE:]
+    # hash while decompressing: SHA-256 of the exact stored bytes runs in a helper thread (hashlib and zstd
+    # both release the GIL), so on two or more cores the digest costs no wall time
+    digest = _hash_async(data)
+    frame = memoryview(data)[PRELUDE_SIZE:]  # no copy of the compressed frame
     try:
         params = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as e:
@@ -344,14 +388,45 @@ def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | Non
     try:
         manifest, payload_start = _parse_manifest(body)
         views = _views(manifest, memoryview(body), payload_start)
-        _validate_contents(manifest, views)
+        _validate_contents(manifest, views, readers, require_readers=require_readers)
     except ArtifactFormatError:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
         # a safety net: every structural check below is explicit, but hostile manifests must never surface
         # as anything but a format error
         raise _fail(f"malformed manifest ({type(e).__name__})") from None
-    return Artifact(manifest=manifest, tensors=views, sha256=hashlib.sha256(data).hexdigest(), byte_count=len(data))
+    return Artifact(manifest=manifest, tensors=views, sha256=digest(), byte_count=len(data),
+                    readers=dict(readers or {}))
+
+
+#: objects at least this large (bytes) are hashed in a helper thread during decompression; smaller ones inline
+PARALLEL_HASH_BYTES = 1 << 20
+_HASH_POOL: Any = None
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def _reset_hash_pool() -> None:  # a forked child inherits the pool object but not its threads
+    global _HASH_POOL
+    _HASH_POOL = None
+
+
+os.register_at_fork(after_in_child=_reset_hash_pool)
+
+
+def _hash_async(data: bytes) -> Any:
+    """A callable returning the SHA-256 hex digest of ``data``: computed in a helper thread (two at most,
+    shared by all decodes of the process) for objects of at least :data:`PARALLEL_HASH_BYTES`, else inline."""
+    global _HASH_POOL
+    if len(data) < PARALLEL_HASH_BYTES:
+        h = hashlib.sha256(data).hexdigest()
+        return lambda: h
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genartifact-sha256")
+        fut = _HASH_POOL.submit(lambda: hashlib.sha256(data).hexdigest())
+    return fut.result
 
 
 def _frame_end(frame: bytes, has_checksum: bool) -> int:
@@ -495,53 +570,34 @@ def _views(manifest: dict[str, Any], body: memoryview, payload_start: int) -> di
     return out
 
 
-def _validate_contents(manifest: dict[str, Any], views: dict[str, np.ndarray]) -> None:
-    """Per-content semantic checks shared by encoder and reader."""
-    p, c = manifest["prompt_token_count"], manifest["completion_token_count"]
-    secs = manifest["sections"]
-    if "moe_routes" in secs:
-        s = secs["moe_routes"]
-        need = {"token_start", "router_ids", "expert_counts", "top_k", "layout"}
-        if not isinstance(s, dict) or not need <= set(s):
-            raise _fail(f"moe_routes section needs keys {sorted(need)}")
-        ids = views.get("moe_routes.expert_ids")
-        if ids is None or ids.ndim != 3:
-            raise _fail("moe_routes.expert_ids must exist with rank 3 [routers, rows, top_k]")
-        routers, rows, k = ids.shape
-        start = s["token_start"]
-        if s["layout"] != "router_major":
-            raise _fail(f"moe_routes layout {s['layout']!r}; allowed: 'router_major'")
-        if not _is_int(start) or not 0 <= start <= p:
-            raise _fail(f"moe_routes token_start {start!r} out of range 0..{p}")
-        if rows != max(0, p + c - 1 - start):
-            raise _fail(f"moe_routes rows {rows} != prompt + completion - 1 - token_start = {max(0, p + c - 1 - start)}")
-        rid, ec = s["router_ids"], s["expert_counts"]
-        if not (isinstance(rid, list) and isinstance(ec, list) and len(rid) == len(ec) == routers and routers > 0):
-            raise _fail(f"router_ids/expert_counts must list {routers} routers")
-        if not all(_is_int(x) and x >= 0 for x in rid) or rid != sorted(set(rid)):
-            raise _fail("router_ids must be unique, ascending, non-negative integers")
-        if not all(_is_int(x) and 1 <= x <= 65536 for x in ec):
-            raise _fail("expert_counts must be in 1..65536")
-        if not _is_int(s["top_k"]) or s["top_k"] != k or k < 1:
-            raise _fail(f"moe_routes top_k {s['top_k']!r} != tensor top_k {k}")
-        if manifest["tensors"] and _dtype_of(manifest, "moe_routes.expert_ids") != route_dtype_code(max(ec)):
-            raise _fail(f"moe_routes.expert_ids dtype must be {route_dtype_code(max(ec))} for max expert count {max(ec)}")
-        if ids.size:
-            per_router_max = ids.reshape(routers, -1).max(axis=1)
-            bad = np.nonzero(per_router_max >= np.asarray(ec))[0]
-            if bad.size:
-                i = int(bad[0])
-                raise _fail(f"expert id {int(per_router_max[i])} out of range for router {rid[i]} with {ec[i]} experts")
-    if "selected_logprobs" in secs:
-        s = secs["selected_logprobs"]
-        lp = views.get("selected_logprobs.logprobs")
-        if lp is None or lp.dtype != np.float32 or lp.shape != (c,):
-            raise _fail(f"selected_logprobs.logprobs must be f32 [{c}]")
-        if not isinstance(s, dict) or s.get("token_start") != p:
-            raise _fail(f"selected_logprobs token_start must equal prompt_token_count {p}")
-        bad = np.nonzero(np.isnan(lp) | (lp > 0) & np.isinf(lp))[0]
-        if bad.size:
-            raise _fail(f"selected_logprobs[{int(bad[0])}] is {float(lp[bad[0]])}; only finite values and -inf are allowed")
+def _validate_contents(manifest: dict[str, Any], views: dict[str, np.ndarray],
+                       readers: Mapping[str, Any] | None = None, *, require_readers: bool = True) -> None:
+    """Per-content semantic checks shared by encoder and reader, delegated to each content's reader (the
+    content plugin's ``genartifact_content_reader`` hook, see :mod:`genartifact.readers`).
+
+    Raises :class:`ArtifactFormatError` if a content's reader rejects its section/tensors, if a reader itself
+    fails (named with its exception type), or, with ``require_readers``, if no reader is installed for a
+    content (name and fix given)."""
+    from genartifact.readers import reader_for
+
+    for name in manifest["contents"]:
+        section = manifest["sections"][name]
+        if not isinstance(section, dict):
+            raise _fail(f"section {name!r} must be a JSON object")
+        reader = (readers or {}).get(name) or reader_for(name)
+        if reader is None:
+            if require_readers:
+                raise _fail(f"no reader installed for content {name!r}: install the distribution that provides "
+                            f"it (entry-point group genartifact.contents), or decode with require_readers=False "
+                            f"to check the envelope only")
+            continue
+        own = {k: v for k, v in views.items() if k.split(".", 1)[0] == name}
+        try:
+            reader.validate(manifest, section, own)
+        except ArtifactFormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - decode raises only format errors
+            raise _fail(f"content {name!r} reader failed: {type(e).__name__}") from None
 
 
 def _dtype_of(manifest: dict[str, Any], name: str) -> str | None:

@@ -29,9 +29,10 @@ from typing import Any
 from genartifact.errors import ConfigError
 
 # Failure codes after which the store holds nothing written by this delivery: the store refused the write
-# (412 object_exists, 403 expired/signature_mismatch, 413 too_large, 3xx redirect_refused) or it was never
+# (412 object_exists, 403 expired/signature_mismatch/forbidden, 413 too_large, 3xx redirect_refused) or it was never
 # sent (target_invalid, too_large before sending). delivery_failed/timeout/internal_error are ambiguous.
-NOT_STORED_CODES = frozenset({"object_exists", "expired", "signature_mismatch", "too_large", "target_invalid",
+NOT_STORED_CODES = frozenset({"object_exists", "expired", "signature_mismatch", "forbidden", "too_large",
+                              "target_invalid",
                               "redirect_refused", "encode_failed", "capture_invalid"})
 RESOLVED_STATES = frozenset({"ready", "deleted", "absent", "vouched", "foreign"})
 DEFAULT_OLDER_THAN_S = 3600.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ from genartifact.errors import (
     ArtifactFormatError,
     CaptureError,
     DeliveryError,
-    GenartifactError,
+    PluginFault,
     TargetError,
 )
 from genartifact.host import PluginHost
@@ -41,7 +42,9 @@ ERROR_MESSAGES = {
     "delivery_failed": "generation artifact delivery failed",
     "object_exists": "generation artifact object already exists",
     "timeout": "generation artifact delivery timed out",
-    "expired": "generation artifact grant expired or was refused",
+    "expired": "generation artifact grant expired",
+    "signature_mismatch": "generation artifact upload was refused: the request does not match the URL's signature",
+    "forbidden": "generation artifact upload was refused by the store (403)",
     "redirect_refused": "generation artifact upload was redirected; redirects are not followed",
     "internal_error": "generation artifact failed",
 }
@@ -52,14 +55,24 @@ TOKEN_BYTES = 4  # token ids are stored as uint32
 
 
 def failed_receipt(req: ArtifactRequest, code: str) -> dict[str, Any]:
-    """Receipt for a failed artifact: stable code and generic message, no provider detail."""
+    """Receipt for a failed artifact: stable code and generic message, no provider detail. ``target`` is the
+    request's target kind (docs/receipts.md)."""
     return {
         "format": req.format,
         "contents": sorted(req.contents),
         "state": "failed",
+        "target": req.target_kind,
         "error_code": code,
         "error": ERROR_MESSAGES.get(code, ERROR_MESSAGES["internal_error"]),
     }
+
+
+def fault_receipt(req: ArtifactRequest | None, fault: PluginFault) -> dict[str, Any]:
+    """The ``failed`` / ``internal_error`` receipt of a request whose plugin broke its contract (the fault was
+    logged, naming the plugin, when it was raised). Without a parsed request, a minimal receipt."""
+    if req is not None:
+        return failed_receipt(req, "internal_error")
+    return {"state": "failed", "error_code": "internal_error", "error": ERROR_MESSAGES["internal_error"]}
 
 
 class ArtifactSession:
@@ -94,17 +107,21 @@ class ArtifactSession:
     @classmethod
     def for_request(cls, host: PluginHost, request: ArtifactRequest, model: ModelInfo,
                     target_settings: Mapping[str, Mapping[str, Any]],
-                    journal: DeliveryJournal | None = None) -> ArtifactSession:
-        """Resolve content producers and the target from enabled plugins. With a ``journal``, every upload
-        is recorded (intent before, outcome after) for ``genartifact reconcile``.
+                    journal: DeliveryJournal | None = None,
+                    content_settings: Mapping[str, Mapping[str, Any]] | None = None) -> ArtifactSession:
+        """Resolve content producers and the target from enabled plugins (each wrapped by the host's fault
+        isolation). With a ``journal``, every upload is recorded (intent before, outcome after) for
+        ``genartifact reconcile``. ``content_settings``: content name -> its ``[contents.<name>]`` table.
 
         :raises UnknownPluginError: a content name or target kind has no enabled plugin (fail fast).
+        :raises PluginFault: a plugin factory raised or returned a wrong object (-> ``internal_error``).
         """
         names = [host.require("contents", c, "generation_artifact.contents").name for c in request.contents]
         kind = host.require("targets", request.target_kind, "generation_artifact.delivery.target.kind").name
         producers = []
+        csettings = content_settings if content_settings is not None else getattr(host, "content_settings", {})
         for c in names:
-            p = host.hooks.content_producer(name=c, model=model)
+            p = host.hooks.content_producer(name=c, model=model, settings=csettings.get(c, {}))
             if p is None:
                 raise AdmissionError(f"content '{c}': its plugin returned no producer for model {model.name!r}")
             producers.append(p)
@@ -129,8 +146,17 @@ class ArtifactSession:
                 raise AdmissionError(f"{name} must be an integer >= {1 if name == 'max_tokens' else 0}; got {v!r}")
         if isinstance(routes_start, bool) or not isinstance(routes_start, int) or routes_start < 0:
             raise AdmissionError(f"routed_experts_prompt_start must be a non-negative integer; got {routes_start!r}")
+        if routes_start > prompt_token_count:
+            # vLLM's own rule (v1/engine/input_processor.py): 0 <= routed_experts_prompt_start <= prompt length,
+            # else the request is refused; never silently clamped
+            raise AdmissionError(f"routed_experts_prompt_start={routes_start} is beyond the prompt; allowed: 0.."
+                                 f"{prompt_token_count} (the prompt length, inclusive, as vLLM requires)")
         sampling = dict(sampling or {})
-        ctx = AdmissionContext(prompt_token_count, max_tokens, min(routes_start, prompt_token_count), self.model, sampling)
+        for k, v in sampling.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise AdmissionError(f"sampling {k}={v!r} is not a finite number; allowed: finite numbers "
+                                     f"(the artifact header records it as JSON)")
+        ctx = AdmissionContext(prompt_token_count, max_tokens, routes_start, self.model, sampling)
         validated = self._target.validate(self.request.target)
         self._header = self._make_header(sampling)
         content_bytes = sum(p.admit(ctx) for p in self._producers)
@@ -223,6 +249,10 @@ class ArtifactSession:
             self.failed_code = "capture_invalid"
             for p in self._producers:
                 p.release()
+        except PluginFault:  # logged with the plugin's name when raised; generation goes on
+            self.failed_code = "internal_error"
+            for p in self._producers:
+                p.release()
 
     def _check_budget(self) -> None:
         retained = self.retained_bytes()
@@ -234,6 +264,12 @@ class ArtifactSession:
         """Bytes retained now: token ids plus every producer's retained bytes."""
         tokens = TOKEN_BYTES * (len(self._prompt or ()) + len(self._completion))
         return tokens + sum(p.retained_bytes() for p in self._producers)
+
+    @property
+    def per_step_deltas(self) -> bool:
+        """True if any requested content needs one delta per engine step (its producer's ``per_step_deltas``);
+        the job then streams this request instead of asking the engine for the final output only."""
+        return any(getattr(p, "per_step_deltas", False) for p in self._producers)
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -259,6 +295,8 @@ class ArtifactSession:
         except CaptureError as e:
             log.warning("artifact_capture_invalid", error=str(e), contents=sorted(self.request.contents))
             return failed_receipt(self.request, "capture_invalid")
+        except PluginFault:  # already logged, naming the plugin
+            return failed_receipt(self.request, "internal_error")
         except Exception as e:  # noqa: BLE001 - a plugin bug must not fail generation
             log.error("artifact_collect_failed", error_type=type(e).__name__, error=str(e))
             return failed_receipt(self.request, "internal_error")
@@ -278,6 +316,8 @@ class ArtifactSession:
         tokens.extend(self._completion)
         import numpy as np
 
+        self._readers = {p.name: r for p in self._producers
+                         if (r := self.host.hooks.content_reader(name=p.name)) is not None}
         return fmt.ArtifactInput(
             token_ids=np.frombuffer(tokens, dtype="<u4") if tokens else np.zeros(0, "<u4"),
             prompt_token_count=self.prompt_token_count,
@@ -289,9 +329,10 @@ class ArtifactSession:
 
     async def _encode_and_deliver(self, inp: fmt.ArtifactInput, sem: asyncio.Semaphore) -> dict[str, Any]:
         assert self._validated is not None
+        did = None  # journal delivery id: every intent gets an outcome, whatever happens after it
         try:
             try:
-                enc = await asyncio.to_thread(fmt.encode, inp)
+                enc = await asyncio.to_thread(fmt.encode, inp, readers=getattr(self, "_readers", None))
             except ArtifactFormatError as e:
                 log.warning("artifact_encode_failed", error=str(e))
                 return failed_receipt(self.request, "encode_failed")
@@ -300,7 +341,6 @@ class ArtifactSession:
                 return failed_receipt(self.request, "capture_invalid")
             if enc.byte_count > self._validated.max_bytes:
                 return failed_receipt(self.request, "too_large")
-            did = None
             if self.journal is not None:
                 describe = getattr(self._target, "describe", None)
                 ref = describe(self._validated) if describe is not None else {}
@@ -314,26 +354,36 @@ class ArtifactSession:
                 code = code if code in ERROR_MESSAGES else "delivery_failed"
                 log.warning("artifact_delivery_failed", error_code=code, target_kind=self.request.target_kind)
                 await self._journal_outcome(did, "failed", code)
+                did = None
                 return failed_receipt(self.request, code)
+            except PluginFault:  # a target bug (e.g. a wrong return value): the object may exist; journal says so
+                await self._journal_outcome(did, "failed", "internal_error")
+                did = None
+                return failed_receipt(self.request, "internal_error")
             except BaseException:
                 # cancelled or crashed mid-upload: the object may or may not have landed (reconcile judges it)
                 await asyncio.shield(self._journal_outcome(did, "interrupted"))
+                did = None
                 raise
             await self._journal_outcome(did, "ready")
+            did = None
+            object_id = self._validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
             log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
             return {
                 "format": self.request.format,
                 "contents": sorted(self.request.contents),
                 "state": "ready",
+                "target": self.request.target_kind,
                 "byte_count": enc.byte_count,
                 "sha256": enc.sha256,
                 "object_id": object_id,
             }
-        except GenartifactError as e:
-            log.error("artifact_failed", error_type=type(e).__name__)
+        except PluginFault:  # logged with the plugin's name when raised
+            await self._journal_outcome(did, "failed", "internal_error")
             return failed_receipt(self.request, "internal_error")
         except Exception as e:  # noqa: BLE001 - never leak provider detail into the receipt
             log.error("artifact_failed", error_type=type(e).__name__)
+            await self._journal_outcome(did, "failed", "internal_error")
             return failed_receipt(self.request, "internal_error")
         finally:
             sem.release()

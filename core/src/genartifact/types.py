@@ -17,7 +17,7 @@ class ModelInfo:
 
     ``hf_config``: the model's ``config.json`` as a dict (text config merged, as vLLM's ``hf_text_config``).
     ``engine_options``: resolved engine settings that change what can be captured, e.g.
-    ``{"enable_prefix_caching": False, "worker_extension": True, "native_routed_experts": False,
+    ``{"enable_prefix_caching": False, "worker_capture": True, "worker_captures": ["moe_routes"], "native_routed_experts": False,
     "logprobs_mode": "raw_logprobs"}``.
     """
 
@@ -49,6 +49,13 @@ class Delta:
     ``new_token_ids``: per token a mapping token id -> logprob (float, or an object with ``.logprob``),
     vLLM's ``SampleLogprobs`` shape. ``routed_experts`` is vLLM's native ``CompletionOutput.routed_experts``
     (``[rows, num_hidden_layers, top_k]``, any integer dtype) when the engine returns it, else None.
+    ``finish_reason``: vLLM's ``CompletionOutput.finish_reason`` (``"stop"``, ``"length"``, ``"abort"``) on the
+    final delta, else None. ``arrival_ns``: when the front end received this output, ``time.monotonic_ns()``
+    (nanoseconds, monotonic clock of the serving process; 0 when unknown).
+
+    Granularity: requests whose contents need per-step deltas (a producer with ``per_step_deltas = True``)
+    get one delta per engine step; otherwise the batch job may deliver a single final delta holding every
+    token (vLLM ``FINAL_ONLY``).
     """
 
     prompt_token_ids: Sequence[int]
@@ -56,6 +63,8 @@ class Delta:
     new_logprobs: Sequence[Mapping[int, Any]] | None = None
     routed_experts: np.ndarray | None = None
     finished: bool = False
+    finish_reason: str | None = None
+    arrival_ns: int = 0
 
 
 @runtime_checkable
@@ -83,10 +92,18 @@ class ContentProducer(Protocol):
     """Per-request state of one content plugin. Created by ``genartifact_content_producer``.
 
     Lifecycle: ``admit`` -> ``sampling_overrides`` -> ``on_delta``* -> ``collect`` -> ``finalize``;
-    ``release`` always, also after errors.
+    ``discard(engine)`` (optional) and ``release`` always, also after errors.
+
+    Required: every method below except ``discard``. Optional attributes: ``per_step_deltas = True`` when the
+    content needs one delta per engine step (e.g. per-token timestamps); ``discard``. Exceptions: ``admit``
+    and ``sampling_overrides`` may raise ``AdmissionError`` (request rejected before inference); ``on_delta``,
+    ``collect`` and ``finalize`` may raise ``CaptureError`` (receipt ``capture_invalid``). Anything else, or a
+    wrong return value, is a plugin fault: that request's receipt is ``failed`` / ``internal_error`` and the
+    log names the plugin (docs/plugins.md).
     """
 
     name: str
+    per_step_deltas: bool
 
     def admit(self, ctx: AdmissionContext) -> int:
         """Return the worst-case decoded bytes of this content's tensors plus its manifest section.
@@ -110,11 +127,34 @@ class ContentProducer(Protocol):
     def release(self) -> None:
         """Drop all retained state. Idempotent."""
 
+    async def discard(self, engine: EngineHandle | None) -> None:
+        """Optional: drop engine-side state not fetched by ``collect`` (request failed or cancelled). Idempotent."""
+
+
+class ContentReader(Protocol):
+    """Decode-side knowledge of one content, from ``genartifact_content_reader``. Must import neither vLLM nor
+    torch. Arguments: ``manifest`` (the whole validated envelope: ``prompt_token_count``,
+    ``completion_token_count``, ...), ``section`` (this content's manifest section), ``tensors`` (this content's
+    tensors by full name, read-only numpy views)."""
+
+    def validate(self, manifest: Mapping[str, Any], section: Mapping[str, Any],
+                 tensors: Mapping[str, np.ndarray]) -> None:
+        """Strictly check section and tensors (keys, dtypes, shapes aligned with the token counts, value ranges);
+        raise :class:`~genartifact.errors.ArtifactFormatError` naming the field. Runs on encode and decode."""
+
+    def summary(self, manifest: Mapping[str, Any], section: Mapping[str, Any],
+                tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """A small JSON-compatible summary (``inspect --json`` puts it under the content's name)."""
+
+    def view(self, manifest: Mapping[str, Any], section: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> Any:
+        """Optional: the typed accessor returned by ``Artifact.content(name)``."""
+
 
 @dataclass(frozen=True)
 class ValidatedTarget:
-    """A target spec that passed side-effect-free validation. ``max_bytes``: the target's byte limit;
-    ``object_id``: the opaque id that the receipt will carry; ``detail``: target-private, never logged."""
+    """A target spec that passed side-effect-free validation. ``max_bytes``: the target's byte limit (bytes);
+    ``object_id``: the opaque id that the receipt carries (the host checks that ``deliver`` returns exactly this
+    id); ``detail``: target-private, never logged."""
 
     kind: str
     max_bytes: int
@@ -123,12 +163,20 @@ class ValidatedTarget:
 
 
 class StorageTarget(Protocol):
-    """A storage backend (one per target kind), created by ``genartifact_storage_target``."""
+    """A storage backend (one per target kind), created by ``genartifact_storage_target``.
+
+    Required: ``validate``, ``deliver``. Optional: ``describe`` (journal reference), ``open``/``exists``/
+    ``delete`` (read-back: ``inspect``, ``verify --receipts``, ``reconcile``). Exceptions: ``TargetError`` and
+    ``DeliveryError`` (with a code from docs/receipts.md); anything else, or a wrong return value, is a plugin
+    fault (receipt ``internal_error``)."""
 
     kind: str
 
     def validate(self, spec: Mapping[str, Any]) -> ValidatedTarget:
         """Validate a request's ``delivery.target`` without side effects; raise ``TargetError``."""
+
+    def describe(self, target: ValidatedTarget) -> dict[str, Any]:
+        """Optional: a non-secret reference for the delivery journal (never URLs, headers or credentials)."""
 
     async def deliver(self, target: ValidatedTarget, data: bytes, sha256: str) -> str:
         """Store exactly ``data`` create-only and all-or-nothing; return the object id.

@@ -211,3 +211,22 @@ def test_decode_admission_needs_many_passes_and_fits_or_is_excluded_before_runni
     # decode context + generated tokens must fit max_model_len
     with pytest.raises(GridError, match="max_model_len"):
         LIMITS.check(Point("decode", 1, context=2046), 3)
+
+
+def test_taken_fpm_port_is_one_error_line_before_the_engine(tmp_path, capsys):
+    """Issue 10: a taken FPM port is one ``error:`` line naming the port and the fix, before any engine start
+    (the model directory does not even exist, so reaching the engine would fail differently)."""
+    import socket
+
+    from genartifact.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        rc = main(["bench", "run", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "out"),
+                   "--port-base", str(port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith(f"error: FPM port 127.0.0.1:{port} is already in use"), err
+    assert "--port-base" in err[0]

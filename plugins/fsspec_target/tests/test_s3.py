@@ -238,3 +238,40 @@ def test_presigned_target_is_not_readable():
     for call in (t.open("id", 10), t.exists("id"), t.delete("id", "0" * 64)):
         with pytest.raises(TargetNotReadableError, match="write-only"):
             asyncio.run(call)
+
+
+@pytest.mark.parametrize("attempts", [1, 3])
+def test_max_attempts_is_the_number_of_puts_sent(s3_server, attempts):
+    """docs/storage.md: max_attempts is botocore's total attempts. A store answering 503 receives exactly
+    max_attempts PUTs (503 closes nothing, so aiohttp's one resend on a dropped keep-alive never applies)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = []
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_PUT(self):
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            seen.append(self.path)
+            body = b"<Error><Code>SlowDown</Code><Message>busy</Message></Error>"
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t = target(at_endpoint(s3_server, srv.server_address[1]), max_attempts=attempts)
+        with pytest.raises(DeliveryError) as e:
+            deliver(t, key(), b"x" * 100)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert e.value.code == "delivery_failed"
+    assert len(seen) == attempts

@@ -35,6 +35,16 @@ class FaultServer:
         return f"http://{self.authority}{path}"
 
 
+# 403 bodies as S3 sends them (verified against SeaweedFS, see /work/shared/reference/README.md)
+ERROR_BODIES = {
+    "s403expired": b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+                   b"<Message>Request has expired</Message><Resource>/b/k</Resource></Error>",
+    "s403signature": b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SignatureDoesNotMatch</Code><Message>The '
+                     b"request signature we calculated does not match the signature you provided.</Message></Error>",
+    "s403": b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>",
+}
+
+
 def make_handler(state: FaultServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -76,7 +86,7 @@ def make_handler(state: FaultServer):
                 status = 307
             elif mode == "s413":
                 status = 413
-            elif mode == "s403":
+            elif mode in ("s403", "s403expired", "s403signature"):
                 status = 403
             elif mode == "s400":
                 status = 400
@@ -87,8 +97,13 @@ def make_handler(state: FaultServer):
             self.send_response(status)
             if status == 307:
                 self.send_header("Location", state.url("/ok/redirected"))
-            self.send_header("Content-Length", "0")
+            reply = ERROR_BODIES.get(mode, b"")
+            self.send_header("Content-Length", str(len(reply)))
             self.end_headers()
+            try:
+                self.wfile.write(reply)
+            except OSError:  # the client hung up first (it reads at most 4 KiB of a 403, none of a 3xx)
+                self.close_connection = True
 
     return Handler
 

@@ -8,6 +8,7 @@ import importlib.metadata as md
 import time
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
 import structlog
 from genartifact.errors import ConfigError, DeliveryError, TargetError
@@ -20,6 +21,8 @@ DNS = {
     "internal.example.com": "10.0.0.5",
     "meta.example.com": "169.254.169.254",
     "v6local.example.com": "::1",
+    "mixed.example.com": ["93.184.216.34", "10.0.0.5"],  # a public and a private answer
+    "mixed6.example.com": ["93.184.216.34", "2606:4700::1", "fe80::1"],
 }
 
 
@@ -27,7 +30,8 @@ def resolver(host, port, type=None):  # noqa: A002 - mirrors socket.getaddrinfo
     resolver.calls.append(host)
     if host not in DNS:
         raise OSError("no such host")
-    return [(None, None, None, "", (DNS[host], port))]
+    addrs = DNS[host] if isinstance(DNS[host], list) else [DNS[host]]
+    return [(None, None, None, "", (a, port)) for a in addrs]
 
 
 resolver.calls = []
@@ -36,7 +40,8 @@ resolver.calls = []
 def settings(fault=None, **kw):
     base = {"allowed_hosts": ["bucket.example.com", "internal.example.com", "meta.example.com", "v6local.example.com",
                               "10.0.0.1", "169.254.169.254", "[::1]", "[::ffff:127.0.0.1]", "s3.example.com:8443",
-                              "[fec0::1]", "[2002:7f00:1::1]", "[2002:a9fe:a9fe::1]"],
+                              "[fec0::1]", "[2002:7f00:1::1]", "[2002:a9fe:a9fe::1]",
+                              "mixed.example.com", "mixed6.example.com"],
             "insecure_http_hosts": [fault.authority] if fault else [], "max_attempts": 3, "backoff_base_s": 0.01,
             "read_timeout_s": 1.0, "total_timeout_s": 5.0}
     base.update(kw)
@@ -224,7 +229,8 @@ def test_retry_on_5xx_and_429(fault_server, mode, attempts):
 @pytest.mark.parametrize(
     "mode, code, attempts",
     [("always503", "delivery_failed", 3), ("redirect", "redirect_refused", 1), ("s413", "too_large", 1),
-     ("s403", "expired", 1), ("s400", "delivery_failed", 1)],
+     ("s403", "forbidden", 1), ("s403expired", "expired", 1), ("s403signature", "signature_mismatch", 1),
+     ("s400", "delivery_failed", 1)],
 )
 def test_final_failures(fault_server, mode, code, attempts):
     t = PresignedHttpPutTarget(settings(fault_server))
@@ -274,9 +280,25 @@ def test_connect_refused_retries_then_fails():
     port = s.getsockname()[1]
     s.close()
     t = PresignedHttpPutTarget(settings(None, insecure_http_hosts=[f"127.0.0.1:{port}"]))
+    sent = []
+
+    class Counting(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request):
+            sent.append(request.method)
+            return await super().handle_async_request(request)
+
+    t = PresignedHttpPutTarget(t.settings, transport=Counting())
     with pytest.raises(DeliveryError) as e:
         put(t, grant(url=f"http://127.0.0.1:{port}/k"))
     assert e.value.code == "delivery_failed"
+    assert sent == ["PUT"] * 3  # max_attempts=3: nothing was sent, so every connect error is retried
+
+
+@pytest.mark.parametrize("host", ["mixed.example.com", "mixed6.example.com"])
+def test_every_dns_answer_is_checked_not_only_the_first(host):
+    t = PresignedHttpPutTarget(settings())
+    with pytest.raises(TargetError, match="non-global address"):
+        t.validate(grant(url=f"https://{host}/a/key?{SECRET}"))
 
 
 def test_expiry_rechecked_before_sending(fault_server, monkeypatch):
@@ -322,3 +344,48 @@ def test_httpx_request_log_stays_quiet(fault_server, caplog):
     t = PresignedHttpPutTarget(settings(fault_server))
     put(t, grant(url=fault_server.url(f"/ok/quiet?{SECRET}")))
     assert "TOPSECRETSIG" not in caplog.text
+
+
+SIGV4 = ("X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AK%2F20261130%2Fus-east-1%2Fs3%2Faws4_request"
+         "&X-Amz-Date=20261130T000000Z&X-Amz-Expires=600&X-Amz-SignedHeaders={}&X-Amz-Signature=TOPSECRETSIG")
+
+
+@pytest.mark.parametrize("signed, headers, match", [
+    ("host%3Bif-none-match%3Bx-amz-meta-run", {"if-none-match": "*"}, r"missing \['x-amz-meta-run'\]"),
+    ("host%3Bif-none-match", {"if-none-match": "*", "x-amz-meta-run": HDR_SECRET}, r"not signed \['x-amz-meta-run'\]"),
+    ("host", {"if-none-match": "*"}, r"not signed \['if-none-match'\]"),
+    ("host%3Bcontent-type%3Bif-none-match", {"if-none-match": "*"}, r"missing \['content-type'\]"),
+])
+def test_grant_headers_must_match_the_signed_header_list(signed, headers, match):
+    t = PresignedHttpPutTarget(settings())
+    with pytest.raises(TargetError, match=match) as e:
+        t.validate(grant(url="https://bucket.example.com/a/key?" + SIGV4.format(signed), headers=headers))
+    assert HDR_SECRET not in str(e.value) and "TOPSECRETSIG" not in str(e.value)
+
+
+def test_signed_header_list_match_is_accepted_incl_host_and_content_length():
+    t = PresignedHttpPutTarget(settings())
+    t.validate(grant(url="https://bucket.example.com/a/key?" + SIGV4.format("content-length%3Bhost%3Bif-none-match"),
+                     headers={"if-none-match": "*"}))
+    goog = ("https://bucket.example.com/a/key?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-SignedHeaders=host%3Bx-goog-meta-a"
+            "&X-Goog-Signature=abc")
+    with pytest.raises(TargetError, match=r"missing \['x-goog-meta-a'\]"):
+        t.validate(grant(url=goog, headers={"if-none-match": "*"}))
+
+
+@pytest.mark.parametrize("path", ["/runs/../x.gart", "/runs/./x.gart", "/runs/%2e%2e/x.gart", "/runs/.%2E/x.gart",
+                                  "/runs/%2E/x.gart", "/..", "/a/b/..", "/runs/%2e%2E/%2e%2e/x"])
+def test_dot_segments_are_refused_at_validation(path):
+    t = PresignedHttpPutTarget(settings())
+    with pytest.raises(TargetError, match="'.' or '..' segment"):
+        t.validate(grant(url=f"https://bucket.example.com{path}?{SECRET}"))
+
+
+@pytest.mark.parametrize("path", ["/runs/a%2Fb.gart", "/runs/x.gart", "/runs/%7Euser/..x.gart", "/runs/a.b/.c",
+                                  "/runs/%41%62"])
+def test_wire_path_is_byte_for_byte_the_signed_path(fault_server, path):
+    """What reaches the socket (the request line the server read) is exactly the URL's path and query."""
+    t = PresignedHttpPutTarget(settings(fault_server))
+    raw = "/ok" + path + "?" + SECRET + "&x=%2e%2E"
+    put(t, grant(url=fault_server.url(raw)))
+    assert fault_server.requests[-1].raw_path == raw

@@ -2,18 +2,32 @@
 
 Everything that can be checked without the engine is checked before it starts (about 20 s on CPU): the run
 id, the receipts path (never overwritten), environment limits, plugin and target settings, every prompt row's
-fields and its target (side-effect-free validation). Rows that fail get a ``rejected`` receipt and never reach
-the engine; the others run concurrently on one engine.
+fields and its target (side-effect-free validation). Rows that fail (bad JSON, bad fields, bad target) get a
+``rejected`` receipt and never reach the engine; the others run concurrently on one engine.
+
+Receipts are appended to ``receipts.jsonl`` (created create-only) and flushed to disk as each request ends, in
+completion order (each carries its row ``index``). SIGINT/SIGTERM stop the run promptly in every phase: during
+engine start-up the start is abandoned; while running, requests still generating are aborted, deliveries
+already started are drained for up to ``DRAIN_S`` seconds, every row gets a receipt (``interrupted`` for
+those that did not finish) and the exit status is 130 (SIGINT) or 143 (SIGTERM); a second signal stops the
+drain. ``generate --resume`` re-runs only the rows without a ready receipt, and first recognises a row whose
+object is already stored with the SHA-256 its journaled delivery recorded (read back through the target) as
+ready. Receipts that cannot be written (disk full) are named on stderr (object id and SHA-256), never lost
+silently.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import hashlib
 import json
 import math
 import os
 import re
+import signal
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -23,7 +37,7 @@ from typing import Any
 import structlog
 
 from genartifact import config as config_mod
-from genartifact.errors import ConfigError, GenartifactError, RequestSpecError
+from genartifact.errors import ConfigError, GenartifactError, PluginFault, RequestSpecError
 from genartifact.host import PluginHost
 from genartifact.limits import max_decoded_bytes, pipeline_concurrency
 from genartifact.spec import parse_request
@@ -33,6 +47,8 @@ log = structlog.get_logger("genartifact.job")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "logprobs")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+DRAIN_S = 60.0  # after SIGINT/SIGTERM: how long started deliveries may finish (the default whole-delivery deadline)
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 def _int(v: Any, lo: int, hi: int) -> bool:
@@ -63,44 +79,164 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def read_prompts(path: str | Path) -> list[dict[str, Any]]:
-    """Parse and validate a prompts JSONL file: one object per line with ``prompt`` and optional per-request
-    ``max_tokens``, ``contents``, ``routed_experts_prompt_start``, sampling parameters (``temperature``,
-    ``top_p``, ``top_k``, ``seed``, ``logprobs``) and ``target`` (a full target object, e.g. a presigned URL
-    grant for this request, overriding ``--target``). Types are strict (no coercion).
-    Raises :class:`RequestSpecError` naming the line, the field and the allowed values."""
+def read_prompt_rows(path: str | Path) -> list[dict[str, Any] | RequestSpecError]:
+    """Parse a prompts JSONL file into rows, one per non-blank line: a validated row object, or the
+    :class:`RequestSpecError` (naming the line, the field and the allowed values) that refuses that row alone.
+
+    A row has ``prompt`` and optional per-request ``max_tokens``, ``contents``, ``routed_experts_prompt_start``,
+    sampling parameters (``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``) and ``target`` (a
+    full target object, e.g. a presigned URL grant for this request, overriding ``--target``). Types are strict
+    (no coercion). Lines are split on ``\\n`` only (JSONL): U+2028, U+0085 and other Unicode line separators
+    are legal inside JSON strings; a trailing ``\\r`` is dropped. Each line is decoded as UTF-8 on its own.
+    Raises :class:`RequestSpecError` only for the file as a whole (unreadable, or no rows)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise RequestSpecError(f"prompts file {str(path)!r} cannot be read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise RequestSpecError(f"prompts file {str(path)!r} is not UTF-8") from None
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
+    rows: list[dict[str, Any] | RequestSpecError] = []
+    for i, bline in enumerate(raw.split(b"\n"), 1):
+        if bline.endswith(b"\r"):
+            bline = bline[:-1]
+        if not bline.strip():
             continue
         try:
-            obj = json.loads(line, parse_constant=_no_constants)
-        except ValueError as e:
-            raise RequestSpecError(f"{path}:{i}: not JSON: {getattr(e, 'msg', e)}") from None
-        if not isinstance(obj, dict) or "prompt" not in obj:
-            raise RequestSpecError(f"{path}:{i}: needs an object with a non-empty string 'prompt'")
-        extra = set(obj) - set(ROW_FIELDS)
-        if extra:
-            raise RequestSpecError(f"{path}:{i}: unknown key(s) {sorted(extra)}; allowed: {sorted(ROW_FIELDS)}")
-        for k, v in obj.items():
-            check, allowed = ROW_FIELDS[k]
-            if not check(v):
-                raise RequestSpecError(f"{path}:{i}: {k}={json.dumps(v)[:80]} invalid; allowed: {allowed}")
-        rows.append(obj)
+            rows.append(_parse_row(bline, path, i))
+        except RequestSpecError as e:
+            rows.append(e)
     if not rows:
         raise RequestSpecError(f"prompts file {path} has no prompts")
     return rows
 
 
-def target_for(arg: str, run_id: str, index: int) -> dict[str, Any]:
-    """``--target``: ``managed_fsspec:PROFILE`` (key ``runs/<run_id>/<index>.gart``) or a JSON target object
-    (its ``object_key`` may contain ``{run_id}`` and ``{index}``). Raises :class:`RequestSpecError`."""
+def _parse_row(bline: bytes, path: str | Path, i: int) -> dict[str, Any]:
+    try:
+        line = bline.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestSpecError(f"{path}:{i}: not UTF-8") from None
+    try:
+        obj = json.loads(line, parse_constant=_no_constants)
+    except ValueError as e:
+        raise RequestSpecError(f"{path}:{i}: not JSON: {getattr(e, 'msg', e)}") from None
+    except RecursionError:
+        raise RequestSpecError(f"{path}:{i}: not JSON: nested too deeply") from None
+    if not isinstance(obj, dict) or "prompt" not in obj:
+        raise RequestSpecError(f"{path}:{i}: needs an object with a non-empty string 'prompt'")
+    extra = set(obj) - set(ROW_FIELDS)
+    if extra:
+        raise RequestSpecError(f"{path}:{i}: unknown key(s) {sorted(extra)}; allowed: {sorted(ROW_FIELDS)}")
+    for k, v in obj.items():
+        check, allowed = ROW_FIELDS[k]
+        if not check(v):
+            raise RequestSpecError(f"{path}:{i}: {k}={json.dumps(v)[:80]} invalid; allowed: {allowed}")
+    return obj
+
+
+def read_prompts(path: str | Path) -> list[dict[str, Any]]:
+    """Strict form of :func:`read_prompt_rows`: every row valid, else the first row's
+    :class:`RequestSpecError` is raised (naming the line, the field and the allowed values)."""
+    rows = read_prompt_rows(path)
+    for r in rows:
+        if isinstance(r, RequestSpecError):
+            raise r
+    return rows  # type: ignore[return-value]
+
+
+class ReceiptsWriter:
+    """Appends one JSON line per receipt to ``path`` and makes it durable (flush + fsync) before returning.
+
+    ``resume=False`` creates the file create-only (``O_EXCL``: an existing receipts file is never touched);
+    ``resume=True`` appends to an existing one. A write that fails (ENOSPC, EDQUOT, EIO...) is rolled back to
+    the last complete line (no torn line stays behind), and the receipt is kept in :attr:`unwritten` so the
+    caller can name it on stderr; later receipts are still attempted.
+    Raises :class:`RequestSpecError` if the file cannot be opened (exists without ``resume``, or missing)."""
+
+    def __init__(self, path: str | os.PathLike[str], resume: bool = False) -> None:
+        self.path = Path(path)
+        flags = os.O_WRONLY | os.O_APPEND | (0 if resume else os.O_CREAT | os.O_EXCL)
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+        except FileExistsError:
+            raise RequestSpecError(f"receipts file {str(self.path)!r} already exists; choose another --run-id or "
+                                   f"--out, or pass --resume") from None
+        except FileNotFoundError:
+            raise RequestSpecError(f"--resume: receipts file {str(self.path)!r} does not exist") from None
+        except OSError as e:
+            raise RequestSpecError(f"receipts file {str(self.path)!r} cannot be opened: {e.strerror}") from None
+        self.written = 0
+        self.unwritten: list[dict[str, Any]] = []
+
+    def write(self, receipt: Mapping[str, Any]) -> bool:
+        """Append and fsync one receipt; False (and kept in :attr:`unwritten`) if the disk refused it."""
+        line = (json.dumps(receipt, sort_keys=True) + "\n").encode()
+        try:
+            start = os.lseek(self._fd, 0, os.SEEK_END)
+        except OSError:
+            start = None
+        try:
+            n = os.write(self._fd, line)
+            if n != len(line):
+                raise OSError(errno.ENOSPC, "short write")
+            os.fsync(self._fd)
+        except OSError as e:
+            if start is not None:
+                try:
+                    os.ftruncate(self._fd, start)  # no torn line
+                except OSError:
+                    pass
+            log.error("receipt_not_written", errno=e.errno, index=receipt.get("index"))
+            self.unwritten.append(dict(receipt))
+            return False
+        self.written += 1
+        return True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def report_unwritten(self, stream: Any = None) -> None:
+        """Name on stderr every receipt that could not be written: stored objects first (object id and
+        SHA-256, so nothing stored is unaccounted for), then the rows whose outcome is otherwise lost."""
+        stream = stream or sys.stderr
+        for r in self.unwritten:
+            if r.get("state") == "ready":
+                print(f"error: receipt not written for row {r.get('index')}: object {r.get('object_id')} is stored "
+                      f"(sha256 {r.get('sha256')}, {r.get('byte_count')} bytes)", file=stream)
+            else:
+                print(f"error: receipt not written for row {r.get('index')}: {r.get('state')} "
+                      f"{r.get('error_code', '')}", file=stream)
+
+
+def read_receipts(path: str | Path) -> dict[int, dict[str, Any]]:
+    """The last receipt per row ``index`` in an existing receipts file (a resumed run appends; the last
+    one wins). A torn last line (a crash mid-write) is ignored. Raises :class:`RequestSpecError`."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise RequestSpecError(f"receipts file {str(path)!r} cannot be read: {e.strerror}") from None
+    out: dict[int, dict[str, Any]] = {}
+    lines = raw.split(b"\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if n == len(lines):
+                continue
+            raise RequestSpecError(f"receipts file {str(path)!r} line {n} is not JSON") from None
+        if isinstance(rec, dict) and isinstance(rec.get("index"), int):
+            out[rec["index"]] = rec
+    return out
+
+
+def target_for(arg: str, run_id: str, index: int, host: PluginHost | None = None) -> dict[str, Any]:
+    """``--target``: a JSON target object, or ``KIND:VALUE`` shorthand expanded by the target plugin of KIND
+    (``genartifact_target_shorthand``; e.g. ``managed_fsspec:PROFILE`` -> key ``runs/<run_id>/<index>.gart``).
+
+    Templating (every target kind alike): in a JSON target, every top-level string value may use
+    ``{run_id}`` and ``{index}`` (5-digit zero-padded request index); ``{{``/``}}`` are literal braces.
+    Raises :class:`RequestSpecError`."""
     if arg.lstrip().startswith("{"):
         try:
             t = json.loads(arg, parse_constant=_no_constants)
@@ -108,123 +244,299 @@ def target_for(arg: str, run_id: str, index: int) -> dict[str, Any]:
             raise RequestSpecError(f"--target is not valid JSON: {getattr(e, 'msg', e)}") from None
         if not isinstance(t, dict):
             raise RequestSpecError("--target JSON must be an object")
-        if isinstance(t.get("object_key"), str):
-            try:
-                t["object_key"] = t["object_key"].format(run_id=run_id, index=f"{index:05d}")
-            except (KeyError, IndexError, ValueError):
-                raise RequestSpecError("--target object_key may only use the placeholders {run_id} and {index}") from None
+        for k, v in t.items():
+            if isinstance(v, str) and k != "kind":
+                try:
+                    t[k] = v.format(run_id=run_id, index=f"{index:05d}")
+                except (KeyError, IndexError, ValueError, AttributeError):
+                    raise RequestSpecError(f"--target {k}: only the placeholders {{run_id}} and {{index}} are "
+                                           f"allowed (write literal braces as {{{{ and }}}})") from None
         return t
-    kind, _, profile = arg.partition(":")
-    if kind != "managed_fsspec" or not profile:
-        raise RequestSpecError(f"--target {arg!r}: shorthand is managed_fsspec:PROFILE, else pass a JSON target object")
-    return {"kind": kind, "profile": profile, "object_key": f"runs/{run_id}/{index:05d}.gart"}
+    kind, _, value = arg.partition(":")
+    kind = kind.strip().replace("-", "_")
+    if not value:
+        raise RequestSpecError(f"--target {arg!r}: give KIND:VALUE (a target plugin's shorthand) or a JSON target object")
+    t = None
+    if host is not None:
+        host.require("targets", kind, "--target")
+        t = host.hooks.target_shorthand(kind=kind, value=value, run_id=run_id, index=index)
+    if t is None:
+        raise RequestSpecError(f"--target {arg!r}: target kind {kind!r} has no KIND:VALUE shorthand; pass a JSON "
+                               f"target object")
+    return t
 
 
 def check_target_tables(cfg: config_mod.Config, host: PluginHost) -> dict[str, Any]:
     """Build every enabled target from its settings (raises ``ConfigError`` on bad settings) and reject
-    settings tables for target kinds that no installed plugin provides."""
+    settings tables for target kinds that no installed plugin provides. A target factory that faults (a plugin
+    bug, :class:`PluginFault`) maps its kind to the fault: only requests for that kind fail."""
     installed = host.installed("targets")
     unknown = sorted(set(cfg.targets) - set(installed))
     if unknown:
         raise ConfigError(f"{cfg.source}: [targets.{unknown[0]}] names no installed target kind; installed: {sorted(installed)}")
     settings = cfg.target_settings()
-    return {p.name: host.hooks.storage_target(kind=p.name, settings=settings.get(p.name, {}))
-            for p in host.enabled["targets"]}
+    out: dict[str, Any] = {}
+    for p in host.enabled["targets"]:
+        try:
+            out[p.name] = host.hooks.storage_target(kind=p.name, settings=settings.get(p.name, {}))
+        except PluginFault as e:
+            out[p.name] = e
+    return out
+
+
+def _fault_receipt(i: int, spec: Mapping[str, Any] | None) -> dict[str, Any]:
+    from genartifact.session import fault_receipt
+
+    try:
+        req = parse_request(spec) if spec is not None else None
+    except GenartifactError:
+        req = None
+    return {"index": i, **fault_receipt(req, PluginFault(""))}
 
 
 def preflight_row(host: PluginHost, targets: Mapping[str, Any], row: Mapping[str, Any], contents: list[str],
                   target_arg: str, run_id: str, index: int) -> dict[str, Any]:
     """The row's validated request spec; raises :class:`GenartifactError` (nothing is sent anywhere)."""
-    tgt = dict(row["target"]) if "target" in row else target_for(target_arg, run_id, index)
+    tgt = dict(row["target"]) if "target" in row else target_for(target_arg, run_id, index, host)
     spec = {"format": "generation_artifact_v1", "contents": row.get("contents", contents), "codec": "zstd",
             "delivery": {"mode": "object_store", "target": tgt}}
     req = parse_request(spec)
     for c in req.contents:
         host.require("contents", c, "generation_artifact.contents")
     host.require("targets", req.target_kind, "generation_artifact.delivery.target.kind")
-    targets[req.target_kind].validate(req.target)
+    target = targets[req.target_kind]
+    if isinstance(target, PluginFault):
+        raise target
+    if target is None:
+        raise RequestSpecError(f"target kind '{req.target_kind}': its plugin returned no target")
+    target.validate(req.target)
     return spec
 
 
-async def run_generate(*, model: str, prompts: list[dict[str, Any]], cfg: config_mod.Config, contents: list[str],
-                       target: str, max_tokens: int, run_id: str, engine_kwargs: Mapping[str, Any],
-                       progress: bool = True) -> list[dict[str, Any]]:
-    """Validate every row, then run the valid ones concurrently through one engine; one receipt per prompt,
-    in input order (``rejected`` for rows refused before inference)."""
+class _Interrupted(BaseException):
+    """SIGINT/SIGTERM arrived while the engine was starting (raised from the signal handler)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupted_receipt(i: int) -> dict[str, Any]:
+    return {"index": i, "state": "failed", "error_code": "interrupted",
+            "error": "the run was stopped (signal) before this request finished; rerun with --resume"}
+
+
+async def _recover_from_journal(targets: Mapping[str, Any], spec: Mapping[str, Any], journal: Any,
+                                intents: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """--resume: a ready receipt for a row whose object is already stored with the SHA-256 that a journaled
+    delivery of it recorded (verified by reading it back through the target, at most its byte count), else
+    None. Targets that cannot read back (presigned grants) recover nothing."""
+    kind = spec["delivery"]["target"].get("kind")
+    target = targets.get(kind)
+    if target is None or isinstance(target, PluginFault) or not hasattr(target, "open"):
+        return None
+    from genartifact.errors import TargetError
+
+    try:
+        object_id = target.validate(spec["delivery"]["target"]).object_id
+    except TargetError:
+        return None
+    for d in reversed(intents.get(object_id, [])):
+        try:
+            data = await target.open(object_id, int(d["byte_count"]))
+        except (GenartifactError, OSError):
+            return None
+        if hashlib.sha256(data).hexdigest() == d["sha256"]:
+            if journal is not None:
+                try:
+                    await asyncio.to_thread(journal.outcome, d["id"], "ready")
+                except OSError:
+                    pass
+            return {"format": spec["format"], "contents": sorted(spec["contents"]), "state": "ready", "target": kind,
+                    "byte_count": len(data), "sha256": d["sha256"], "object_id": object_id,
+                    "recovered": "read_back"}
+    return None
+
+
+async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpecError], cfg: config_mod.Config,
+                       contents: list[str], target: str, max_tokens: int, run_id: str,
+                       engine_kwargs: Mapping[str, Any], progress: bool = True, writer: ReceiptsWriter | None = None,
+                       done: Mapping[int, Mapping[str, Any]] | None = None,
+                       stop: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Validate every row, then run the valid ones concurrently through one engine; one receipt per prompt
+    (``rejected`` for rows refused before inference), returned in input order and, with ``writer``, appended
+    to it as each request ends. ``done``: receipts of an earlier run (``--resume``): rows with a ready one are
+    skipped. ``stop``: filled with ``{"signal": signum}`` when SIGINT/SIGTERM stopped the run."""
     from tqdm import tqdm
 
-    host = PluginHost(cfg.plugins)
+    done = done or {}
+    stop = stop if stop is not None else {}
+    host = cfg.host()
     targets = check_target_tables(cfg, host)
     settings = cfg.target_settings()
     journal = cfg.journal()
-    receipts: list[dict[str, Any] | None] = [None] * len(prompts)
+    receipts: dict[int, dict[str, Any]] = {}
+
+    def emit(i: int, r: dict[str, Any]) -> None:
+        receipts[i] = r
+        if writer is not None:
+            writer.write(r)
+
     specs: dict[int, dict[str, Any]] = {}
     for i, row in enumerate(prompts):
+        if done.get(i, {}).get("state") == "ready":
+            continue
+        if isinstance(row, RequestSpecError):
+            emit(i, {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(row)})
+            continue
         try:
             specs[i] = preflight_row(host, targets, row, contents, target, run_id, i)
+        except PluginFault:  # logged naming the plugin; this request fails, the others run
+            emit(i, _fault_receipt(i, None))
         except (GenartifactError, ValueError, TypeError, OverflowError) as e:
-            receipts[i] = {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(e)}
-    if specs:
-        from genartifact.engine.vllm_adapter import VllmEngine
+            emit(i, {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(e)})
+    if done and specs:  # --resume: objects a crashed run stored are recognised by SHA-256 read-back
+        intents: dict[str, list[dict[str, Any]]] = {}
+        for d in (journal.deliveries() if journal is not None else []):
+            intents.setdefault(d["object_id"], []).append(d)
+        for i in list(specs):
+            rec = await _recover_from_journal(targets, specs[i], journal, intents)
+            if rec is not None:
+                emit(i, {**rec, "index": i})
+                del specs[i]
+    if not specs:
+        return [receipts[i] for i in sorted(receipts)]
+    loop = asyncio.get_running_loop()
+    tasks: dict[int, asyncio.Task[dict[str, Any]]] = {}
+    delivering: set[int] = set()
+    stopping = asyncio.Event()
 
-        engine = await VllmEngine(host, model, **engine_kwargs).start()
+    def on_signal(signum: int) -> None:
+        if "signal" not in stop:
+            stop["signal"] = signum
+            log.warning("generate_stopping", signal=signal.Signals(signum).name, draining=len(delivering),
+                        aborting=len([i for i in tasks if i not in delivering and not tasks[i].done()]))
+            for i, t in tasks.items():
+                if i not in delivering:
+                    t.cancel()  # still generating: abort in vLLM, nothing stored
+            stopping.set()
+        else:  # a second signal: stop draining
+            for t in tasks.values():
+                t.cancel()
+
+    def startup_signal(signum: int, _frame: Any) -> None:
+        stop["signal"] = signum
+        raise _Interrupted(signum)
+
+    from genartifact.engine.vllm_adapter import RequestResult, VllmEngine
+
+    for s in EXIT_SIGNAL:  # engine start blocks the event loop: a plain handler interrupts it promptly
+        signal.signal(s, startup_signal)
+    engine = VllmEngine(host, model, **engine_kwargs)
+    try:
         try:
-            bar = tqdm(total=len(specs), desc="generate", unit="req", disable=not progress)
-            max_len = int(engine.model_info.engine_options.get("max_model_len", 0))  # type: ignore[union-attr]
-
-            async def one(i: int) -> dict[str, Any]:
-                row = prompts[i]
-                ids = engine.tokenizer(row["prompt"])["input_ids"]
-                sampling = {"max_tokens": row.get("max_tokens", max_tokens), "temperature": 1.0}
-                sampling.update({k: row[k] for k in SAMPLING_KEYS if k in row})
-                try:
-                    if max_len and len(ids) >= max_len:
-                        raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
-                    res = await engine.run(ids, sampling, specs[i], settings,
-                                           routes_start=row.get("routed_experts_prompt_start", 0), journal=journal,
-                                           stream=False)  # a batch job consumes no per-token output
-                    receipt = dict(res.receipt or {})
-                    receipt.update(index=i, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
-                except GenartifactError as e:  # refused before inference: specific message, nothing stored
-                    receipt = {"index": i, "state": "rejected", "error_code": "admission_rejected", "error": str(e)}
-                except (ValueError, TypeError) as e:  # the engine's own request validation (before generation)
-                    receipt = {"index": i, "state": "rejected", "error_code": "engine_rejected",
-                               "error": f"{type(e).__name__}: {str(e)[:300]}"}
-                bar.update(1)
-                return receipt
-
-            done = await asyncio.gather(*(one(i) for i in specs))
-            bar.close()
+            await engine.start()
         finally:
-            engine.shutdown()
-        for i, r in zip(specs, done, strict=True):
-            receipts[i] = r
-    return [r for r in receipts if r is not None]
+            for s in EXIT_SIGNAL:  # replaces the start-up handlers with no gap in between
+                loop.add_signal_handler(s, on_signal, s)
+        if "signal" in stop:
+            raise _Interrupted(stop["signal"])
+        bar = tqdm(total=len(specs), desc="generate", unit="req", disable=not progress)
+        max_len = int(engine.model_info.engine_options.get("max_model_len", 0))  # type: ignore[union-attr]
+
+        async def one(i: int) -> dict[str, Any]:
+            row = prompts[i]
+            assert isinstance(row, dict)
+            ids = engine.tokenizer(row["prompt"])["input_ids"]
+            sampling = {"max_tokens": row.get("max_tokens", max_tokens), "temperature": 1.0}
+            sampling.update({k: row[k] for k in SAMPLING_KEYS if k in row})
+            try:
+                if max_len and len(ids) >= max_len:
+                    raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
+                prep = engine.prepare(ids, sampling, specs[i], settings,
+                                      routes_start=row.get("routed_experts_prompt_start", 0), journal=journal)
+                res = None
+                # a batch job consumes no per-token output: one final delta, then the receipt
+                async for ev in engine.execute(prep, stream=False):
+                    if isinstance(ev, RequestResult):
+                        res = ev
+                    elif ev[0].finished:
+                        delivering.add(i)  # generation done: from here on a stop drains instead of aborting
+                assert res is not None
+                receipt = dict(res.receipt or {})
+                receipt.update(index=i, prompt_tokens=len(ids), completion_tokens=len(res.completion_token_ids))
+            except PluginFault:  # a plugin broke its contract at admission: logged naming it
+                receipt = _fault_receipt(i, specs[i])
+            except GenartifactError as e:  # refused before inference: specific message, nothing stored
+                receipt = {"index": i, "state": "rejected", "error_code": "admission_rejected", "error": str(e)}
+            except (ValueError, TypeError) as e:  # the engine's own request validation (before generation)
+                receipt = {"index": i, "state": "rejected", "error_code": "engine_rejected",
+                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            emit(i, receipt)
+            bar.update(1)
+            return receipt
+
+        tasks.update({i: asyncio.ensure_future(one(i)) for i in specs})
+        pending = set(tasks.values())
+        while pending:
+            stop_wait = asyncio.ensure_future(stopping.wait())
+            finished, pending = await asyncio.wait(pending | {stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(stop_wait)
+            stop_wait.cancel()
+            if stopping.is_set() and pending:
+                _, still = await asyncio.wait(pending, timeout=DRAIN_S)
+                for t in still:
+                    t.cancel()
+                await asyncio.wait(pending)
+                break
+        bar.close()
+    except _Interrupted:
+        if engine.llm is None:  # interrupted during start-up: nothing graceful to wait for
+            from genartifact.engine.vllm_adapter import kill_engine_processes
+
+            kill_engine_processes()
+    finally:
+        for s in EXIT_SIGNAL:
+            loop.remove_signal_handler(s)
+        engine.shutdown()
+        for i in specs:
+            if i not in receipts:
+                emit(i, _interrupted_receipt(i))
+    return [receipts[i] for i in sorted(receipts)]
 
 
 def run_generate_cli(args: argparse.Namespace) -> int:
-    """Entry point of ``genartifact generate``; exit code 1 if any receipt is not ready."""
+    """Entry point of ``genartifact generate``: 0 if every row has a ready receipt, 1 if any is not ready,
+    130/143 when SIGINT/SIGTERM stopped the run, 2 for errors found before the engine starts."""
     from genartifact.engine.engine_args import command_engine_kwargs
 
     cfg = config_mod.load(args.config)
     kwargs = command_engine_kwargs(cfg, args)  # vLLM's engine arguments: [engine] table, then the command line
-    prompts = read_prompts(args.prompts)
+    prompts = read_prompt_rows(args.prompts)
     contents = [c.strip() for c in args.contents.split(",")] if args.contents else list(cfg.plugins["contents"])
     if not contents:
         raise ConfigError("no contents: pass --contents or enable content plugins in the config")
     if args.max_tokens < 1:
         raise RequestSpecError(f"--max-tokens must be >= 1; got {args.max_tokens}")
+    resume = bool(getattr(args, "resume", False))
+    if resume and not (args.run_id or args.out):
+        raise RequestSpecError("--resume needs the --run-id (or --out) of the run to resume")
     run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     if not RUN_ID.fullmatch(run_id):
         raise RequestSpecError(f"--run-id {run_id!r} invalid; allowed: 1..128 of [A-Za-z0-9_.-], starting alphanumeric")
-    check_target_tables(cfg, PluginHost(cfg.plugins))  # plugin and target settings fail now
-    target_for(args.target, run_id, 0)  # and a malformed --target
+    host = cfg.host()
+    check_target_tables(cfg, host)  # plugin and target settings fail now
+    target_for(args.target, run_id, 0, host)  # and a malformed --target
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise RequestSpecError(f"--model {args.model!r} is not a model directory (no config.json)")
     out = Path(args.out or Path("artifacts") / "runs" / run_id / "receipts.jsonl")
-    if out.exists() or out.is_symlink():
-        raise RequestSpecError(f"receipts file {str(out)!r} already exists; choose another --run-id or --out")
+    done: dict[int, dict[str, Any]] = {}
+    if resume:
+        done = read_receipts(out)
+    elif out.exists() or out.is_symlink():
+        raise RequestSpecError(f"receipts file {str(out)!r} already exists; choose another --run-id or --out, or "
+                               f"pass --resume")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -233,18 +545,31 @@ def run_generate_cli(args: argparse.Namespace) -> int:
         raise RequestSpecError(f"receipts directory {str(out.parent)!r} is not writable")
     max_decoded_bytes(), pipeline_concurrency()  # environment limits fail now, not after inference
     t0 = time.perf_counter()
-    receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
-                                        target=args.target, max_tokens=args.max_tokens, run_id=run_id,
-                                        engine_kwargs=kwargs))
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in receipts), encoding="utf-8")
+    writer = ReceiptsWriter(out, resume=resume)
+    stop: dict[str, Any] = {}
     try:
-        os.link(tmp, out)  # create-only: never replaces a receipts file
-    except FileExistsError:
-        raise RequestSpecError(f"receipts file {str(out)!r} appeared during the run; receipts kept in {tmp}") from None
-    tmp.unlink()
-    ready = sum(r.get("state") == "ready" for r in receipts)
-    log.info("generate_done", run_id=run_id, ready=ready, total=len(receipts), receipts=str(out),
-             seconds=round(time.perf_counter() - t0, 2))
-    print(f"{ready}/{len(receipts)} artifacts ready; receipts: {out}")
-    return 0 if ready == len(receipts) else 1
+        receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
+                                            target=args.target, max_tokens=args.max_tokens, run_id=run_id,
+                                            engine_kwargs=kwargs, writer=writer, done=done, stop=stop))
+    except _Interrupted as e:  # raised inside the event loop's own code during start-up; the run's
+        stop["signal"] = e.signum  # cleanup (receipts, engine shutdown) already ran when asyncio.run cancelled it
+        receipts = []
+        from genartifact.engine.vllm_adapter import kill_engine_processes
+
+        kill_engine_processes()
+    finally:
+        writer.close()
+        writer.report_unwritten()
+    final = {**{i: r for i, r in done.items()}, **{r["index"]: r for r in receipts}}
+    ready = sum(r.get("state") == "ready" for r in final.values())
+    log.info("generate_done", run_id=run_id, ready=ready, total=len(prompts), receipts=str(out),
+             seconds=round(time.perf_counter() - t0, 2), interrupted=bool(stop))
+    print(f"{ready}/{len(prompts)} artifacts ready; receipts: {out}")
+    if writer.unwritten:
+        print(f"error: {len(writer.unwritten)} receipt(s) could not be written to {out} (named above)",
+              file=sys.stderr)
+    if stop:
+        print(f"error: stopped by {signal.Signals(stop['signal']).name}; rerun with --resume --run-id {run_id}",
+              file=sys.stderr)
+        return EXIT_SIGNAL.get(stop["signal"], 1)
+    return 0 if ready == len(prompts) and not writer.unwritten else 1

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -31,8 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from genartifact import config as config_mod
 from genartifact.engine.tiny_model import CHAT_TEMPLATE
 from genartifact.engine.vllm_adapter import RequestResult, VllmEngine
-from genartifact.errors import GenartifactError, RequestSpecError
-from genartifact.host import PluginHost
+from genartifact.errors import GenartifactError, PluginFault, RequestSpecError
 from genartifact.limits import pipeline_concurrency
 
 log = structlog.get_logger("genartifact.serve")
@@ -264,6 +264,9 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
         reason = type(e).__name__
         srv.metrics.requests.labels("rejected", reason).inc()
         msg = str(e)
+        if isinstance(e, PluginFault):  # a plugin bug, not the client's: 500, details only in the server log
+            return _error(500, "generation artifact failed: a plugin raised an internal error (see the server log)",
+                          None, "internal_error")
         return _error(413 if isinstance(e, BodyTooLarge) else 400, msg, _field(msg))
 
     @app.get("/health")
@@ -455,7 +458,7 @@ def run_serve_cli(args: Any) -> int:
     import uvicorn
 
     cfg = config_mod.load(args.config)
-    host = PluginHost(cfg.plugins)
+    host = cfg.host()
     from genartifact.engine.engine_args import command_engine_kwargs
     from genartifact.engine.job import check_target_tables
 
@@ -465,9 +468,38 @@ def run_serve_cli(args: Any) -> int:
     names = kwargs.get("served_model_name") or [args.model]  # as vLLM: the first name is the one responses carry
     names = [names] if isinstance(names, str) else list(names)
 
+    import signal
+
+    stopped: dict[str, int] = {}
+
+    class _StartInterrupted(BaseException):
+        pass
+
+    def on_start_signal(signum: int, _frame: Any) -> None:
+        stopped["signal"] = signum
+        raise _StartInterrupted(signum)
+
     async def factory() -> VllmEngine:
-        return await VllmEngine(host, args.model, **kwargs).start()
+        # engine start blocks the event loop for tens of seconds (minutes on real checkpoints), so uvicorn's own
+        # handlers could only act after it; a plain handler interrupts the start at once
+        old = {sig: signal.signal(sig, on_start_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return await VllmEngine(host, args.model, **kwargs).start()
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
 
     app = create_app(factory, cfg, names[0], drain_s=args.drain_s)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.drain_s))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=int(args.drain_s))
+    except (_StartInterrupted, SystemExit):  # uvicorn exits 3 when the lifespan start-up fails
+        if "signal" not in stopped:
+            raise
+    if "signal" in stopped:
+        from genartifact.engine.vllm_adapter import kill_engine_processes
+
+        kill_engine_processes()
+        print(f"error: stopped by {signal.Signals(stopped['signal']).name} during engine start-up", file=sys.stderr)
+        return 128 + stopped["signal"]
     return 0

@@ -1,5 +1,6 @@
-"""vLLM adapter: start an ``AsyncLLM`` with the genartifact worker extension, convert vLLM outputs to
-engine-neutral :class:`~genartifact.types.Delta` objects, and run one request with its artifact session.
+"""vLLM adapter: start an ``AsyncLLM`` (or attach to one the caller built), initialise genartifact's worker
+runtime in every worker of every data-parallel engine, convert vLLM outputs to engine-neutral
+:class:`~genartifact.types.Delta` objects, and run one request with its artifact session.
 
 vllm and torch are imported inside the functions that need them; still, import this module lazily (only
 engine commands and engine tests do).
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.metadata as md
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -21,8 +24,8 @@ from typing import Any
 
 import structlog
 
-from genartifact.engine.worker_ext import ENV_CONTENTS, ENV_PROBES, QUALNAME
-from genartifact.errors import RequestSpecError
+from genartifact.engine.worker_ext import QUALNAME, RPC, init_config
+from genartifact.errors import EngineStartError, RequestSpecError
 from genartifact.host import PluginHost
 from genartifact.session import ArtifactSession
 from genartifact.spec import parse_request
@@ -62,9 +65,14 @@ def _sample_logprobs(lps: Any, n: int) -> list[dict[int, float]] | None:
 class VllmEngine:
     """One vLLM ``AsyncLLM`` plus the genartifact plugin host.
 
+    Either ``await VllmEngine(host, model, **engine_kwargs).start()`` (genartifact builds and owns the engine),
+    or ``await VllmEngine.attach(host, llm)`` (the caller built the ``AsyncLLM``, e.g. an RL framework inside
+    its Ray actor, with its own ``worker_extension_cls``; genartifact neither builds nor shuts it down).
+
     :param host: the plugin host (enabled content plugins adjust engine options and run in workers).
     :param model: local model directory.
-    :param engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``max_num_batched_tokens``).
+    :param engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``max_num_batched_tokens``,
+        ``data_parallel_size``, ``tensor_parallel_size``, ``distributed_executor_backend``).
     """
 
     def __init__(self, host: PluginHost, model: str | os.PathLike[str], **engine_kwargs: Any) -> None:
@@ -74,24 +82,62 @@ class VllmEngine:
         self.llm: Any = None
         self.model_info: ModelInfo | None = None
         self.tokenizer: Any = None
+        #: each worker's answer to ``init`` (enabled plugins, captures, ranks), in RPC order
+        self.workers: list[dict[str, Any]] = []
+        self.data_parallel_size = 1
+        self.start_seconds: float | None = None
+        self._owns_llm = True
+        self._skip_tokenizer = True
         self._pending: dict[str, list[tuple[tuple[Any, ...], asyncio.Future[list[Any]]]]] = {}
 
     async def start(self) -> VllmEngine:
-        """Start the engine (about 20 s on CPU) and initialise the worker extension."""
+        """Build and start the engine (about 20-40 s on CPU), then initialise the workers.
+
+        :raises EngineStartError: a worker reports a different set of enabled contents/probes than sent."""
+        t0 = time.monotonic()
         for k, v in CPU_ENV.items():
             os.environ.setdefault(k, v)
-        os.environ[ENV_CONTENTS] = json.dumps([p.name for p in self.host.enabled["contents"]])
-        os.environ[ENV_PROBES] = json.dumps([p.name for p in self.host.enabled["probes"]])
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         opts = cpu_mla_fallback(engine_options(self.host, self.model_dir, self.engine_kwargs))
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**opts))
+        self._owns_llm = True
+        try:
+            await self._setup()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    @classmethod
+    async def attach(cls, host: PluginHost, llm: Any, tokenizer: Any = None) -> VllmEngine:
+        """Wrap an ``AsyncLLM`` the caller built and started (verl-style: in-process, inside a Ray actor).
+
+        The workers must carry genartifact's RPC method: true wherever genartifact is installed (the
+        ``vllm.general_plugins`` entry point attaches it to every vLLM worker; the caller's own
+        ``worker_extension_cls`` is untouched). Worker capture then starts with the ``init`` RPC sent here.
+        ``moe_routes`` via worker capture needs the caller's engine built with ``enable_prefix_caching=False``
+        (admission refuses otherwise, naming the option). :meth:`shutdown` does not stop a caller's engine.
+
+        :param tokenizer: the model's tokenizer (default: loaded from the engine's model directory).
+        :raises EngineStartError: the workers disagree with ``host`` on the enabled plugins."""
+        eng = cls(host, llm.vllm_config.model_config.model)
+        eng.llm, eng._owns_llm = llm, False
+        eng.tokenizer = tokenizer
+        await eng._setup()
+        return eng
+
+    async def _setup(self) -> None:
         vcfg = self.llm.vllm_config
         mc = vcfg.model_config
         hf = mc.hf_text_config.to_dict()
         import vllm
 
+        self._skip_tokenizer = bool(getattr(mc, "skip_tokenizer_init", False))
+        self.data_parallel_size = int(vcfg.parallel_config.data_parallel_size)
+        captures = await self._init_workers()
         self.model_info = ModelInfo(
             name=Path(self.model_dir).name,
             hf_config=hf,
@@ -99,24 +145,73 @@ class VllmEngine:
             engine_version=vllm.__version__,
             engine_options={
                 "enable_prefix_caching": bool(vcfg.cache_config.enable_prefix_caching),
-                "worker_extension": vcfg.parallel_config.worker_extension_cls == QUALNAME,
+                "worker_rpc": bool(self.workers),
+                "worker_capture": bool(captures),
+                "worker_captures": sorted(captures),
                 "native_routed_experts": bool(_native_routes_enabled(vcfg)),
                 "logprobs_mode": str(getattr(mc, "logprobs_mode", "raw_logprobs")),
                 "max_model_len": int(mc.max_model_len),
                 "device": str(vcfg.device_config.device_type),
                 "chunked_prefill": bool(vcfg.scheduler_config.enable_chunked_prefill),
+                "tensor_parallel_size": int(vcfg.parallel_config.tensor_parallel_size),
+                "data_parallel_size": self.data_parallel_size,
                 "seed": mc.seed,
             },
             config_sha256=hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest(),
         )
-        self.tokenizer = _load_tokenizer(self.model_dir)
-        if self.model_info.engine_options["worker_extension"]:
-            await self.worker_call("init")
-        log.info("engine_started", model=self.model_info.name, vllm=vllm.__version__, **self.model_info.engine_options)
-        return self
+        if self.tokenizer is None:
+            self.tokenizer = _load_tokenizer(self.model_dir)
+        log.info("engine_started", model=self.model_info.name, vllm=vllm.__version__, attached=not self._owns_llm,
+                 **self.model_info.engine_options)
+
+    async def _init_workers(self) -> set[str]:
+        """Send ``init`` (enabled plugins + settings) to every worker of every engine; check the answers.
+        Returns the set of contents that capture in workers (empty when no worker carries the RPC method)."""
+        cfg = init_config(self.host)
+        try:
+            answers = await self._rpc(("init", cfg))
+        except Exception as e:  # noqa: BLE001 - classified below
+            if RPC not in str(e):
+                raise
+            log.warning("worker_rpc_missing", detail="the engine's workers have no genartifact_call method: the "
+                        "'genartifact' vllm.general_plugins entry point is not installed where the workers run, "
+                        "and worker_extension_cls is not genartifact's; worker capture is off", error=str(e)[:300])
+            self.workers = []
+            return set()
+        self.workers = [dict(a) for a in answers]
+        want = {"contents": cfg["contents"], "probes": cfg["probes"]}
+        for a in self.workers:
+            if dict(a.get("enabled", {})) != want:
+                raise EngineStartError(
+                    f"worker rank {a.get('rank')} (data-parallel rank {a.get('dp_rank')}, tensor-parallel rank "
+                    f"{a.get('tp_rank')}) enabled {a.get('enabled')}; the engine sent {want}: the worker's "
+                    "installed plugins differ from the driver's (install the same genartifact distributions "
+                    "on every node)")
+        capturing = [a for a in self.workers if a.get("capturing")]
+        sets = {tuple(a.get("captures", [])) for a in capturing}
+        if len(sets) > 1:
+            raise EngineStartError(f"capturing workers installed different captures: "
+                                   f"{[(a.get('dp_rank'), a.get('captures')) for a in capturing]}")
+        dp_ranks = sorted(int(a.get("dp_rank", 0)) for a in capturing)
+        if sets and dp_ranks != list(range(self.data_parallel_size)):
+            raise EngineStartError(f"expected one capturing worker per data-parallel engine "
+                                   f"(ranks 0..{self.data_parallel_size - 1}); got data-parallel ranks {dp_ranks}")
+        return set(next(iter(sets))) if sets else set()
+
+    async def _rpc(self, args: tuple[Any, ...]) -> list[Any]:
+        """``collective_rpc("genartifact_call", args)`` on the workers of *every* engine, answers flattened in
+        engine then worker order. vLLM's data-parallel client answers ``collective_rpc`` with engine 0's
+        workers only (``DPLBAsyncMPClient.call_utility_async``), so with several engines each is asked."""
+        core = getattr(self.llm, "engine_core", None)
+        engines = getattr(core, "core_engines", None) or ()
+        if len(engines) > 1 and hasattr(core, "call_utility_all_async"):
+            per_engine = await core.call_utility_all_async("collective_rpc", RPC, None, args, None)
+            return [w for workers in per_engine for w in workers]
+        return list(await self.llm.collective_rpc(RPC, args=args))
 
     async def worker_call(self, method: str, *args: Any) -> list[Any]:
-        """Run the genartifact worker hook ``method`` on every worker; one result per worker.
+        """Run the genartifact worker RPC ``method`` on every worker of every data-parallel engine; one result
+        per worker (engine-major order).
 
         Calls made in the same event-loop turn for the same method are coalesced into one ``collective_rpc``
         (each RPC pauses the engine loop between steps, and finishing requests come in waves).
@@ -136,11 +231,9 @@ class VllmEngine:
             return
         try:
             if len(batch) == 1:
-                per_worker = await self.llm.collective_rpc("genartifact_call", args=(method, *batch[0][0]))
-                results = [per_worker]
+                results = [await self._rpc((method, *batch[0][0]))]
             else:
-                per_worker = await self.llm.collective_rpc("genartifact_call",
-                                                           args=("batch", method, [list(a) for a, _ in batch]))
+                per_worker = await self._rpc(("batch", method, [list(a) for a, _ in batch]))
                 results = [[w[i] for w in per_worker] for i in range(len(batch))]
         except BaseException as e:  # noqa: BLE001 - delivered to every waiter
             for _, f in batch:
@@ -152,8 +245,10 @@ class VllmEngine:
                 f.set_result(r)
 
     def shutdown(self) -> None:
+        """Stop the engine if this object built it (an attached caller's engine is left running)."""
         if self.llm is not None:
-            self.llm.shutdown()
+            if self._owns_llm:
+                self.llm.shutdown()
             self.llm = None
 
     async def stream(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
@@ -165,7 +260,7 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         sampling = dict(sampling)
-        if self.engine_kwargs.get("skip_tokenizer_init", True) and not sampling.get("ignore_eos"):
+        if self._skip_tokenizer and not sampling.get("ignore_eos"):
             # the engine has no tokenizer: stop at EOS explicitly (vLLM would take it from the tokenizer)
             eos = self.tokenizer.eos_token_id
             if eos is not None:
@@ -183,6 +278,8 @@ class VllmEngine:
                 new_logprobs=_sample_logprobs(c.logprobs, len(ids)),
                 routed_experts=getattr(c, "routed_experts", None),
                 finished=bool(out.finished),
+                finish_reason=c.finish_reason,
+                arrival_ns=time.monotonic_ns(),
             ), c
 
     def prepare(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
@@ -224,8 +321,9 @@ class VllmEngine:
         in vLLM and releases every capture (worker rows included); an upload already started finishes in the
         background (journaled)."""
         session, completion, finish = prep.session, [], None
+        per_step = stream or (session is not None and session.per_step_deltas)  # a content may need every step
         try:
-            async for delta, c in self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not stream):
+            async for delta, c in self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not per_step):
                 completion.extend(delta.new_token_ids)
                 if session is not None:
                     session.record_or_fail(delta)
@@ -261,6 +359,23 @@ class VllmEngine:
         return result
 
 
+def kill_engine_processes() -> int:
+    """SIGKILL this process's multiprocessing children (vLLM's engine-core and worker processes) and reap them;
+    returns how many there were. For a start-up interrupted by SIGINT/SIGTERM: the half-started engine holds no
+    state worth a graceful stop, and vLLM's own teardown waits for processes busy loading the model."""
+    import multiprocessing
+
+    kids = multiprocessing.active_children()
+    for p in kids:
+        try:
+            p.kill()
+        except (OSError, ValueError):
+            pass
+    for p in kids:
+        p.join(timeout=5)
+    return len(kids)
+
+
 @dataclass
 class Prepared:
     """A validated, admitted request: final engine sampling kwargs and its artifact session (or None)."""
@@ -282,19 +397,47 @@ DEFAULT_ENGINE_OPTIONS: dict[str, Any] = {
 }
 
 
-def engine_options(host: PluginHost, model_dir: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``AsyncEngineArgs`` kwargs: defaults, then ``overrides``, then the genartifact worker extension (unless
-    the user set their own ``worker_extension_cls``: vLLM allows one, so a warning names it and the worker
-    route path is off), then each enabled content plugin's ``genartifact_engine_options`` in config order."""
+def vllm_plugin_installed() -> bool:
+    """True if vLLM will load genartifact's ``vllm.general_plugins`` entry point in its processes (installed,
+    and not excluded by vLLM's ``VLLM_PLUGINS`` allow-list)."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and "genartifact" not in [x.strip() for x in allowed.split(",")]:
+        return False
+    target = "genartifact.engine.worker_ext:register_vllm_plugin"
+    return any(ep.value.replace(" ", "") == target for ep in md.entry_points(group="vllm.general_plugins"))
+
+
+def engine_options(host: PluginHost, model_dir: str, overrides: Mapping[str, Any],
+                   plugin_installed: bool | None = None) -> dict[str, Any]:
+    """``AsyncEngineArgs`` kwargs: defaults, then ``overrides``, then each enabled content plugin's
+    ``genartifact_engine_options`` in config order.
+
+    Worker RPC reaches the workers through the ``vllm.general_plugins`` entry point when it is installed
+    (``plugin_installed``, default: :func:`vllm_plugin_installed`), leaving ``worker_extension_cls`` to the user;
+    otherwise genartifact's fallback extension class is set — unless the user set their own, in which case a
+    warning says worker capture is off. Plugins learn whether worker capture will run (``worker_capture``), so
+    e.g. prefix caching is only forced off when it will."""
     opts: dict[str, Any] = {"model": model_dir, **DEFAULT_ENGINE_OPTIONS, **overrides}
+    if plugin_installed is None:
+        plugin_installed = vllm_plugin_installed()
     user_ext = opts.get("worker_extension_cls")
-    if user_ext and user_ext != QUALNAME:
+    worker_capture = True
+    if plugin_installed:
+        pass  # the entry point attaches genartifact_call to every worker; the extension slot stays the user's
+    elif user_ext and user_ext != QUALNAME:
+        worker_capture = False
         log.warning("worker_extension_in_use", cls=user_ext,
-                    detail="vLLM allows one worker extension; genartifact worker capture is disabled, "
-                           "moe_routes needs enable_return_routed_experts")
+                    detail="the 'genartifact' vllm.general_plugins entry point is not installed and vLLM allows one "
+                           "worker extension; genartifact worker capture is off (moe_routes then needs "
+                           "enable_return_routed_experts)")
     else:
         opts["worker_extension_cls"] = QUALNAME
-    host.hooks.engine_options(options=opts)
+    host.hooks.engine_options(options=opts, worker_capture=worker_capture)
+    for key, wanted in overrides.items():  # a requested-but-overridden option is never silent
+        if key in opts and opts[key] != wanted:
+            log.warning("engine_option_overridden", option=key, requested=wanted, effective=opts[key],
+                        detail=f"{key}={wanted!r} was changed to {opts[key]!r} by an enabled content plugin "
+                               f"({', '.join(p.name for p in host.enabled['contents'])}) that cannot work with it")
     return opts
 
 

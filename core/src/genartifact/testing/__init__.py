@@ -1,1 +1,283 @@
-"""Test kit for genartifact and third-party plugins: services and helpers that tests start on loopback."""
+"""The plugin-author kit: test a content or target plugin without an engine, then on the real one.
+
+Shipped in core and registered as a pytest plugin (entry point ``pytest11: genartifact = genartifact.testing``),
+so a plugin's own test suite gets the fixtures below with nothing but ``pip install genartifact pytest
+pytest-asyncio``. Everything here uses only the public API a third party has.
+
+* :func:`make_host` — an in-process :class:`~genartifact.host.PluginHost` with plugins registered from objects
+  (modules, instances) — no entry point needed — next to installed ones.
+* :class:`MemoryTarget` — a reference create-only, all-or-nothing, read-back target (kind ``memory``) to drive a
+  content plugin's session without storage.
+* :func:`deltas` — engine-delta builders (per step or final-only, with logprobs, ``finish_reason`` and arrival
+  timestamps) shaped exactly as the vLLM adapter produces them.
+* :class:`FakeEngine` — an :class:`~genartifact.types.EngineHandle` whose ``worker_call`` is answered by handlers.
+* :func:`run_session` — the no-engine harness: admit -> sampling overrides -> deltas -> collect/finalize ->
+  encode -> deliver -> read back -> strict decode; returns the receipt, the artifact and the session.
+* Fixtures: ``genartifact_host`` (factory of :func:`make_host`), ``memory_target``, ``fake_engine``,
+  ``tiny_moe_model`` (a deterministic tiny MoE checkpoint) and ``real_engine`` (vLLM-CPU on it, marker
+  ``genartifact_engine``; skipped unless vLLM is importable).
+* Conformance suites (subclass them): :class:`genartifact.testing.conformance.TargetConformance` and
+  :class:`genartifact.testing.conformance.ContentConformance`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from genartifact.errors import DeliveryError, TargetError
+from genartifact.types import Delta, ModelInfo, ValidatedTarget
+
+hookimpl = pluggy.HookimplMarker("genartifact")
+
+#: A small Qwen3-MoE-like model description (4 MoE layers, 8 experts, top-2) for no-engine sessions.
+TINY_MOE_CONFIG = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 1000}
+
+
+def model_info(hf_config: Mapping[str, Any] | None = None, **engine_options: Any) -> ModelInfo:
+    """A :class:`~genartifact.types.ModelInfo` for no-engine tests: ``hf_config`` defaults to
+    :data:`TINY_MOE_CONFIG`; engine options default to the CPU engine's (worker capture of both built-in contents
+    on, no prefix caching, ``raw_logprobs``)."""
+    opts = {"worker_rpc": True, "worker_capture": True, "worker_captures": ["moe_routes", "selected_logprobs"],
+            "enable_prefix_caching": False, "logprobs_mode": "raw_logprobs",
+            "native_routed_experts": False, **engine_options}
+    return ModelInfo("tiny", dict(hf_config or TINY_MOE_CONFIG), "vllm", "test", opts)
+
+
+# ------------------------------------------------------------------------------------------ reference target
+class MemoryTarget:
+    """Reference target ``memory``: create-only, all-or-nothing, byte-limited, with read-back and conditional
+    delete. Request fields: ``{"kind": "memory", "object_key": str}``; settings: ``max_bytes`` (int, default
+    64 MiB). ``objects`` maps object id -> bytes (shared by every instance created from one ``store``)."""
+
+    kind = "memory"
+
+    def __init__(self, max_bytes: int = 64 << 20, store: dict[str, bytes] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.objects: dict[str, bytes] = {} if store is None else store
+
+    def __repr__(self) -> str:
+        return f"MemoryTarget(objects={len(self.objects)})"
+
+    def validate(self, spec: Mapping[str, Any]) -> ValidatedTarget:
+        extra = set(spec) - {"kind", "object_key"}
+        if extra:
+            raise TargetError(f"memory target: unknown key(s) {sorted(map(str, extra))}; allowed: ['kind', 'object_key']")
+        key = spec.get("object_key")
+        if not isinstance(key, str) or not key or len(key) > 512:
+            raise TargetError("memory target.object_key must be a non-empty string of at most 512 characters")
+        return ValidatedTarget(kind=self.kind, max_bytes=self.max_bytes, object_id=key)
+
+    def describe(self, target: ValidatedTarget) -> dict[str, Any]:
+        return {"key": target.object_id}
+
+    async def deliver(self, target: ValidatedTarget, data: bytes, sha256: str) -> str:
+        if len(data) > self.max_bytes:
+            raise DeliveryError("artifact exceeds the memory target's byte limit", "too_large")
+        if target.object_id in self.objects:
+            raise DeliveryError("object already exists", "object_exists")
+        self.objects[target.object_id] = bytes(data)
+        return target.object_id
+
+    async def open(self, object_id: str, max_bytes: int) -> bytes:
+        data = self.objects.get(object_id)
+        if data is None:
+            raise TargetError(f"memory object {object_id!r} not found")
+        if len(data) > max_bytes:
+            raise TargetError(f"memory object {object_id!r} is larger than {max_bytes} bytes")
+        return data
+
+    async def exists(self, object_id: str) -> bool:
+        return object_id in self.objects
+
+    async def delete(self, object_id: str, sha256: str) -> bool:
+        data = self.objects.get(object_id)
+        if data is None or hashlib.sha256(data).hexdigest() != sha256:
+            return False
+        del self.objects[object_id]
+        return True
+
+
+class MemoryTargetPlugin:
+    """Plugin object providing :class:`MemoryTarget` as kind ``memory`` (register with :func:`make_host`)."""
+
+    def __init__(self, store: dict[str, bytes] | None = None) -> None:
+        self.store: dict[str, bytes] = {} if store is None else store
+
+    @hookimpl
+    def genartifact_storage_target(self, kind: str, settings: Mapping[str, Any]) -> MemoryTarget | None:
+        if kind != "memory":
+            return None
+        return MemoryTarget(int(settings.get("max_bytes", 64 << 20)), self.store)
+
+    @hookimpl
+    def genartifact_target_shorthand(self, kind: str, value: str, run_id: str, index: int) -> dict[str, Any] | None:
+        if kind != "memory":
+            return None
+        return {"kind": "memory", "object_key": f"{value.rstrip('/')}/{run_id}/{index:05d}.gart"}
+
+
+# ------------------------------------------------------------------------------------------ host
+def make_host(contents: Mapping[str, Any] | Sequence[str] = (), targets: Mapping[str, Any] | Sequence[str] = (),
+              probes: Mapping[str, Any] | Sequence[str] = (), *, memory_target: bool = True,
+              content_settings: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
+    """A :class:`~genartifact.host.PluginHost` for tests. Each kind takes names of installed plugins (a list) or
+    ``{name: plugin object}`` (registered in-process, config order = mapping order). With ``memory_target``
+    the kit's :class:`MemoryTargetPlugin` is enabled as target kind ``memory`` (its store is
+    ``host.memory_store``)."""
+    from genartifact.host import PluginHost
+
+    enabled: dict[str, list[str]] = {}
+    objects: dict[str, dict[str, Any]] = {}
+    for kind, val in (("contents", contents), ("targets", targets), ("probes", probes)):
+        if isinstance(val, Mapping):
+            objects[kind] = dict(val)
+            enabled[kind] = list(val)
+        else:
+            enabled[kind] = list(val)
+    store: dict[str, bytes] = {}
+    if memory_target and "memory" not in enabled["targets"]:
+        objects.setdefault("targets", {})["memory"] = MemoryTargetPlugin(store)
+        enabled["targets"].append("memory")
+    host = PluginHost(enabled, objects=objects, content_settings=content_settings)
+    host.memory_store = store  # type: ignore[attr-defined]
+    return host
+
+
+# ------------------------------------------------------------------------------------------ deltas
+def deltas(prompt: Sequence[int], completion: Sequence[int], *, per_step: bool = True,
+           logprobs: Sequence[float] | Callable[[int, int], Mapping[int, float]] | None = None,
+           finish_reason: str = "length", routed_experts: Any = None, start_ns: int | None = None,
+           step_ns: int = 1_000_000) -> list[Delta]:
+    """Engine deltas for one request, as the vLLM adapter produces them.
+
+    ``per_step``: one delta per completion token (``RequestOutputKind.DELTA``), else one final delta with every
+    token (``FINAL_ONLY``). ``logprobs``: per completion token the sampled token's logprob (list of floats), or a
+    function ``(position, token) -> {token_id: logprob}``; None gives deltas without logprobs. The last delta is
+    ``finished`` with ``finish_reason``; ``arrival_ns`` increases by ``step_ns`` from ``start_ns`` (default
+    ``time.monotonic_ns()``). ``routed_experts`` (``[rows, layers, top_k]``) rides on the final delta."""
+    t0 = time.monotonic_ns() if start_ns is None else start_ns
+
+    def lp(i: int, tok: int) -> Mapping[int, float]:
+        if callable(logprobs):
+            return logprobs(i, tok)
+        return {int(tok): float(logprobs[i])}  # type: ignore[index]
+
+    chunks = [[i] for i in range(len(completion))] if per_step else [list(range(len(completion)))]
+    if not chunks or not chunks[0]:
+        chunks = [[]]
+    out = []
+    for n, idx in enumerate(chunks):
+        last = n == len(chunks) - 1
+        out.append(Delta(
+            prompt_token_ids=list(prompt),
+            new_token_ids=[int(completion[i]) for i in idx],
+            new_logprobs=None if logprobs is None else [lp(i, completion[i]) for i in idx],
+            routed_experts=routed_experts if last else None,
+            finished=last,
+            finish_reason=finish_reason if last else None,
+            arrival_ns=t0 + n * step_ns,
+        ))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ fake engine
+@dataclass
+class FakeEngine:
+    """An engine handle for no-engine sessions: ``worker_call(method, *args)`` returns ``[handler(*args)]`` (one
+    worker) for a handler registered under ``method`` (``"<content>.<verb>"``), else ``[None]``. ``calls``
+    records every call. A ``"<content>.fetch"`` handler returns the raw payload (or None); like genartifact's
+    worker runtime, the fake wraps it in the worker envelope ``{"found": payload}`` / ``{"absent": "unknown"}``
+    that :func:`genartifact.engine.worker_ext.fetch_capture` reads."""
+
+    handlers: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    workers: int = 1
+
+    async def worker_call(self, method: str, *args: Any) -> list[Any]:
+        self.calls.append((method, args))
+        fn = self.handlers.get(method)
+        out = [fn(*args) if fn is not None else None for _ in range(self.workers)]
+        if method.endswith(".fetch"):
+            where = {"dp_rank": 0, "tp_rank": 0, "rank": 0}
+            out = [{"absent": "unknown", **where} if r is None else {"found": r, **where} for r in out]
+        return out
+
+
+# ------------------------------------------------------------------------------------------ harness
+@dataclass
+class SessionResult:
+    """What :func:`run_session` produced: the receipt, the read-back bytes and decoded artifact (None unless
+    ready), the session (released), and the engine sampling kwargs after every producer's overrides."""
+
+    receipt: dict[str, Any]
+    data: bytes | None
+    artifact: Any
+    session: Any
+    sampling: dict[str, Any]
+
+
+def run_session(host: Any, contents: Sequence[str], prompt: Sequence[int], completion: Sequence[int], *,
+                target: Mapping[str, Any] | None = None, max_tokens: int | None = None,
+                sampling: Mapping[str, Any] | None = None, model: ModelInfo | None = None,
+                deltas_: Iterable[Delta] | None = None, engine: Any = None, routes_start: int = 0,
+                per_step: bool = True, logprobs: Any = None, target_settings: Mapping[str, Any] | None = None,
+                journal: Any = None) -> SessionResult:
+    """Run one request's artifact lifecycle without an engine (sync wrapper over :func:`arun_session`)."""
+    return asyncio.run(arun_session(host, contents, prompt, completion, target=target, max_tokens=max_tokens,
+                                    sampling=sampling, model=model, deltas_=deltas_, engine=engine,
+                                    routes_start=routes_start, per_step=per_step, logprobs=logprobs,
+                                    target_settings=target_settings, journal=journal))
+
+
+async def arun_session(host: Any, contents: Sequence[str], prompt: Sequence[int], completion: Sequence[int], *,
+                       target: Mapping[str, Any] | None = None, max_tokens: int | None = None,
+                       sampling: Mapping[str, Any] | None = None, model: ModelInfo | None = None,
+                       deltas_: Iterable[Delta] | None = None, engine: Any = None, routes_start: int = 0,
+                       per_step: bool = True, logprobs: Any = None,
+                       target_settings: Mapping[str, Any] | None = None, journal: Any = None) -> SessionResult:
+    """admit -> sampling overrides -> record every delta -> finalize (collect, encode, deliver) -> read back
+    through the target's ``open`` -> strict :func:`~genartifact.format.decode` (SHA-256 and size checked).
+
+    ``target`` defaults to the kit's memory target with a fresh key. Admission errors and plugin faults at
+    admission propagate (as they would before inference); later failures are in the receipt."""
+    import uuid
+
+    from genartifact.format import MAX_OBJECT_BYTES, decode
+    from genartifact.session import ArtifactSession
+    from genartifact.spec import parse_request
+
+    model = model or model_info()
+    tgt = dict(target or {"kind": "memory", "object_key": f"runs/{uuid.uuid4().hex}.gart"})
+    spec = {"format": "generation_artifact_v1", "contents": list(contents), "codec": "zstd",
+            "delivery": {"mode": "object_store", "target": tgt}}
+    req = parse_request(spec)
+    settings = dict(target_settings or {})
+    settings.setdefault(req.target_kind, {})
+    s = ArtifactSession.for_request(host, req, model, settings, journal)
+    params = dict(sampling or {"temperature": 1.0})
+    try:
+        s.admit(len(prompt), max_tokens or max(1, len(completion)), routes_start=routes_start, sampling=params)
+        s.sampling_overrides(params)
+        for d in deltas_ if deltas_ is not None else deltas(prompt, completion, per_step=per_step, logprobs=logprobs):
+            s.record_or_fail(d)
+        receipt = await s.finalize(engine)
+    finally:
+        await s.aclose(engine)
+    data = art = None
+    if receipt.get("state") == "ready":
+        data = await s._target.open(receipt["object_id"], MAX_OBJECT_BYTES)
+        assert hashlib.sha256(data).hexdigest() == receipt["sha256"] and len(data) == receipt["byte_count"]
+        art = decode(data, readers=host.content_readers())
+    return SessionResult(receipt, data, art, s, params)
+
+
+__all__ = ["TINY_MOE_CONFIG", "FakeEngine", "MemoryTarget", "MemoryTargetPlugin", "SessionResult", "arun_session",
+           "deltas", "hookimpl", "make_host", "model_info", "run_session"]

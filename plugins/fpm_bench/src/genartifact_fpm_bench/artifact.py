@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from genartifact.errors import GenartifactError
+
 RANK_SCHEMA = "genartifact.fpm_bench.rank"
 MERGED_SCHEMA = "genartifact.fpm_bench.merged"
 PROBE_SCHEMA = "genartifact.fpm_bench.worker_probe"
@@ -26,7 +28,7 @@ SCHEMA_VERSION = 1
 ENGINE_IGNORED = {("parallel", "data_parallel_rank"), ("worker_probe",), ("resolved",)}
 
 
-class MergeError(ValueError):
+class MergeError(GenartifactError, ValueError):
     """Rank artifacts cannot be merged (names the rank files and the differing keys)."""
 
 

@@ -1,12 +1,27 @@
-"""``genartifact bench run|merge|fit|live|report`` (dispatched from the core CLI when this plugin is installed)."""
+"""``genartifact bench run|merge|fit|live|report``: a plugin command (entry point ``genartifact.commands: bench``),
+loaded by the core CLI only when ``bench`` runs."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
+import pluggy
 from genartifact.engine.engine_args import accept_engine_args
+
+hookimpl = pluggy.HookimplMarker("genartifact")
+
+
+@hookimpl
+def genartifact_command(name: str, parser: argparse.ArgumentParser) -> Callable[[Any], int] | None:
+    """Register ``bench``: its arguments on ``parser``; the handler is :func:`main`."""
+    if name != "bench":
+        return None
+    parser.description = "FPM self-benchmark: run a rank, merge ranks, fit a step-time model, check it live, render a report"
+    add_arguments(parser)
+    return main
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

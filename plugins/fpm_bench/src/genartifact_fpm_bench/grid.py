@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from genartifact.errors import GenartifactError
+
 PHASES = ("prefill", "decode")
 
 
-class GridError(ValueError):
+class GridError(GenartifactError, ValueError):
     """An explicit point is malformed or infeasible for the engine's limits (names the point and the limit)."""
 
 

@@ -79,9 +79,10 @@ class WorkerProbe:
     @hookimpl
     def genartifact_collect_provenance(self, context: Mapping[str, Any]) -> Mapping[str, Any] | None:
         engine = context["engine"]
-        if not engine.model_info.engine_options.get("worker_extension"):
+        if not engine.model_info.engine_options.get("worker_rpc"):
             ext = engine.llm.vllm_config.parallel_config.worker_extension_cls
-            return {"name": "worker_probe", "data": {"status": f"skipped: user worker extension {ext}"}}
+            return {"name": "worker_probe", "data": {"status": f"skipped: no genartifact worker RPC (worker "
+                                                                f"extension {ext}, vllm.general_plugins entry point absent)"}}
 
         async def ask() -> dict[str, Any]:
             replies = await engine.worker_call("fpm.probe")

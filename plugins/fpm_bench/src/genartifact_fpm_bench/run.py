@@ -30,6 +30,23 @@ def limits_of(vcfg: Any) -> Limits:
                   prefix_caching=bool(cc.enable_prefix_caching))
 
 
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """The FPM publisher binds ``host:port`` inside the engine; refuse before the engine starts when it is
+    taken. Raises :class:`GridError` naming the port and the fix."""
+    import socket
+
+    from genartifact_fpm_bench.grid import GridError
+
+    if not 1 <= port <= 65535:
+        raise GridError(f"FPM port {port} out of range; allowed: 1..65535 (set --port-base so base + rank fits)")
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise GridError(f"FPM port {host}:{port} is already in use (another bench rank or process); pass "
+                            f"--port-base with a free range, e.g. --port-base {port + 100}") from None
+
+
 async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_size: int = 1, run_id: str | None = None,
                    points_file: str | None = None, repeats: int = 3, port_base: int = 20380,
                    engine_kwargs: dict[str, Any] | None = None, max_points: int = 64, progress: bool = True,
@@ -49,6 +66,7 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
     out = rank_path(out_dir, rank)
     if out.exists():
         raise FileExistsError(f"rank artifact {out} exists; rank artifacts are written once")
+    check_port_free(port_base + rank)  # one clear error now, not a bind failure buried in the engine's log
     os.environ.update(GENARTIFACT_FPM_STREAM="1", GENARTIFACT_FPM_PORT_BASE=str(port_base),
                       GENARTIFACT_FPM_DP_RANK=str(rank))
     host = PluginHost({"probes": PROBES})

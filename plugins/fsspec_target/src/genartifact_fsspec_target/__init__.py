@@ -743,3 +743,11 @@ def genartifact_storage_target(kind: str, settings: Mapping[str, Any]) -> Manage
     if kind != KIND:
         return None
     return ManagedFsspecTarget(parse_profiles(settings))
+
+
+@hookimpl
+def genartifact_target_shorthand(kind: str, value: str, run_id: str, index: int) -> dict[str, Any] | None:
+    """``generate --target managed_fsspec:PROFILE``: key ``runs/<run_id>/<index:05d>.gart`` in ``PROFILE``."""
+    if kind != KIND:
+        return None
+    return {"kind": KIND, "profile": value, "object_key": f"runs/{run_id}/{index:05d}.gart"}

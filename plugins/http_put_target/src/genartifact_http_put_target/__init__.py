@@ -21,12 +21,20 @@ from httpx are replaced, ``from None``). Validation is side-effect free apart fr
 length limits, valid percent escapes, host on the allowlist and resolving only to globally routable addresses
 (SSRF), ``expires_at`` timezone-aware, in the future and within the TTL, header count/size/character limits,
 a denylist of headers a client must never set, and ``if-none-match: *`` (create-only; S3 conditional write).
+When the URL names its signed headers (SigV4 ``X-Amz-SignedHeaders``, GCS ``X-Goog-SignedHeaders``), the
+grant's headers must be exactly those (besides ``host`` and ``content-length``, which the client always sends):
+a missing or unsigned extra header is refused naming the header names (never values). Paths with ``.``/``..``
+segments, raw or percent-encoded, are refused, and the URL must reach the wire byte-for-byte as given (the
+HTTP client's normalised form is compared with the original), so the PUT always goes to the signed key.
 
 Sending: expiry rechecked before every attempt; one PUT of the exact bytes with an explicit Content-Length
 (never chunked); exactly the required headers plus Host and Content-Length (httpx's defaults removed); no
 redirects; explicit connect/read/write timeouts and a whole-delivery deadline; any 2xx is success; retries with
 exponential backoff only on connect errors, 429 and 5xx, rebuilding the request each time and never past
-expiry; 403 is final (expired or bad signature); 412 means the object exists.
+expiry; 412 means the object exists; 403 is final and classified by its body (at most 4 KiB read; S3/GCS XML
+``<Code>``/``<Message>``): ``expired`` only when the store says the request expired, ``signature_mismatch``
+for ``SignatureDoesNotMatch``, else ``forbidden``. ``max_attempts`` counts PUTs sent by this client (httpx
+never resends on its own).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import httpx
 import pluggy
@@ -268,10 +276,12 @@ def validate_grant(spec: Mapping[str, Any], settings: PresignedSettings, now: fl
         raise TargetError("presigned_http_put target.expires_at is in the past")
     if expires > now + settings.max_ttl_s:
         raise TargetError(f"presigned_http_put target.expires_at is more than max_ttl_s={settings.max_ttl_s:g} s ahead")
+    _check_path(url, parts)
     mb = spec["max_bytes"]
     if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= settings.max_bytes:
         raise TargetError(f"presigned_http_put target.max_bytes must be an integer in 1..{settings.max_bytes}")
     headers = _validate_headers(spec["required_headers"])
+    _check_signed_headers(parts.query, headers)
     oid = spec["object_id"]
     if not isinstance(oid, str) or not oid or len(oid.encode()) > MAX_OBJECT_ID or not oid.isprintable():
         raise TargetError(f"presigned_http_put target.object_id must be 1..{MAX_OBJECT_ID} bytes of printable text")
@@ -279,6 +289,45 @@ def validate_grant(spec: Mapping[str, Any], settings: PresignedSettings, now: fl
         _check_addresses(settings, host, port or 443)
     return Grant(url=url, headers=headers, host=host, port=port or (443 if scheme == "https" else 80),
                  expires_at=expires, max_bytes=mb, object_id=oid, insecure=insecure)
+
+
+SIGNED_HEADER_PARAMS = ("x-amz-signedheaders", "x-goog-signedheaders")
+ALWAYS_SENT = frozenset({"host", "content-length"})
+
+
+def _check_path(url: str, parts: Any) -> None:
+    """Refuse dot segments (raw or percent-encoded: ``.``, ``..``, ``%2e``, ``.%2E``...) and any URL the HTTP
+    client would not send byte-for-byte (its normalised target must equal the given path and query)."""
+    for seg in parts.path.split("/"):
+        if unquote(seg) in (".", ".."):
+            raise TargetError("presigned_http_put target.url path has a '.' or '..' segment (raw or percent-encoded); "
+                              "the client would send another key than the one signed")
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    try:
+        sent = httpx.URL(url).raw_path.decode("ascii")
+    except (httpx.InvalidURL, UnicodeDecodeError, ValueError):
+        raise TargetError("presigned_http_put target.url is not a valid URL") from None
+    if sent != (target or "/"):
+        raise TargetError("presigned_http_put target.url would not be sent as given (the HTTP client normalises its "
+                          "path or query); pass the URL exactly as signed, in normalised form")
+
+
+def _check_signed_headers(query: str, headers: tuple[tuple[str, str], ...]) -> None:
+    """The grant's header names must equal the URL's signed-header list (minus host/content-length)."""
+    signed_lists = [v for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() in SIGNED_HEADER_PARAMS]
+    if not signed_lists:
+        return  # not a SigV4/GCS-v4 URL: nothing to compare against
+    if len(signed_lists) > 1:
+        raise TargetError("presigned_http_put target.url names its signed headers more than once")
+    signed = {h.strip().lower() for h in signed_lists[0].split(";") if h.strip()}
+    given = {name for name, _ in headers}
+    missing = sorted(signed - given - ALWAYS_SENT)
+    extra = sorted(given - signed)
+    if missing or extra:
+        parts = ([f"missing {missing} (signed by the URL)"] if missing else []) + \
+                ([f"not signed {extra} (the store would refuse or ignore them)"] if extra else [])
+        raise TargetError("presigned_http_put target.required_headers do not match the URL's signed headers: "
+                          + "; ".join(parts))
 
 
 def _validate_headers(raw: Any) -> tuple[tuple[str, str], ...]:
@@ -329,7 +378,8 @@ class PresignedHttpPutTarget:
 
     async def deliver(self, target: ValidatedTarget, data: bytes, sha256: str) -> str:
         """One PUT (with bounded retries). Raises :class:`DeliveryError` with codes ``expired``,
-        ``object_exists``, ``too_large``, ``redirect_refused``, ``timeout`` or ``delivery_failed``."""
+        ``signature_mismatch``, ``forbidden``, ``object_exists``, ``too_large``, ``redirect_refused``,
+        ``timeout`` or ``delivery_failed``."""
         g: Grant = target.detail
         if len(data) > g.max_bytes:
             raise DeliveryError("artifact exceeds the presigned grant's max_bytes", "too_large")
@@ -373,9 +423,17 @@ class PresignedHttpPutTarget:
                         raise DeliveryError("presigned artifact host failed the address check", "target_invalid") from None
                 request = client.build_request("PUT", g.url, content=data, headers=dict(g.headers))
                 retry = False
+                body = b""
                 try:
-                    resp = await client.send(request)
-                    await resp.aclose()
+                    resp = await client.send(request, stream=True)
+                    try:
+                        if resp.status_code == 403:
+                            async for chunk in resp.aiter_raw():
+                                body += chunk
+                                if len(body) >= 4096:
+                                    break
+                    finally:
+                        await resp.aclose()
                 except (httpx.ConnectError, httpx.ConnectTimeout):
                     retry, status = True, None  # nothing was sent: safe to retry
                 except httpx.TimeoutException:
@@ -389,7 +447,7 @@ class PresignedHttpPutTarget:
                         return
                     retry = status == 429 or status >= 500
                     if not retry:
-                        raise _status_error(status)
+                        raise _status_error(status, body[:4096])
                 log.warning("presigned_put_retry", host=g.host, status=status, attempt=attempt)
                 if attempt == s.max_attempts:
                     break
@@ -400,11 +458,33 @@ class PresignedHttpPutTarget:
             raise DeliveryError("presigned artifact PUT was not accepted after retries", "delivery_failed")
 
 
-def _status_error(status: int) -> DeliveryError:
+_XML_CODE = re.compile(rb"<Code>\s*([A-Za-z]{1,64})\s*</Code>")
+_XML_MESSAGE = re.compile(rb"<Message>([^<]{0,512})</Message>")
+
+
+def classify_403(body: bytes) -> str:
+    """Receipt code for a 403 from its body (S3 and GCS XML errors): ``expired`` only when the store says so
+    (``<Code>ExpiredToken</Code>``/``RequestExpired`` or "expired" in the message, e.g. S3's AccessDenied
+    "Request has expired"), ``signature_mismatch`` for ``SignatureDoesNotMatch``, else ``forbidden``."""
+    code = _XML_CODE.search(body)
+    msg = _XML_MESSAGE.search(body)
+    c = code.group(1).decode() if code else ""
+    m = msg.group(1).decode("ascii", "replace").lower() if msg else ""
+    if c in ("ExpiredToken", "RequestExpired", "TokenExpired") or "expired" in m:
+        return "expired"
+    if c == "SignatureDoesNotMatch":
+        return "signature_mismatch"
+    return "forbidden"
+
+
+def _status_error(status: int, body: bytes = b"") -> DeliveryError:
     if status == 412:
         return DeliveryError("presigned artifact object already exists", "object_exists")
     if status == 403:
-        return DeliveryError("presigned artifact PUT was refused (expired or bad signature)", "expired")
+        code = classify_403(body)
+        return DeliveryError({"expired": "presigned artifact PUT was refused: the grant expired",
+                              "signature_mismatch": "presigned artifact PUT was refused: signature mismatch",
+                              "forbidden": "presigned artifact PUT was refused (403)"}[code], code)
     if status == 413:
         return DeliveryError("presigned artifact PUT was refused as too large", "too_large")
     if 300 <= status < 400:

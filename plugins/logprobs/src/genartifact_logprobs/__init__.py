@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 import pluggy
-from genartifact.errors import AdmissionError, CaptureError
+from genartifact.engine.worker_ext import discard_capture, fetch_capture
+from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
 from genartifact.format import TensorPart
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 
@@ -42,7 +43,7 @@ class SelectedLogprobs:
         self._max_tokens = 0
         self._seen = 0
         opts = model.engine_options if model is not None else {}
-        self.worker_source = (bool(opts.get("worker_extension")) and opts.get("logprobs_mode") == "raw_logprobs"
+        self.worker_source = (NAME in (opts.get("worker_captures") or ()) and opts.get("logprobs_mode") == "raw_logprobs"
                               and os.environ.get("GENARTIFACT_LOGPROBS_SOURCE", "worker") != "engine")
         self.capture_id: str | None = None
         self._fetched = False
@@ -93,13 +94,13 @@ class SelectedLogprobs:
         if final.engine is None:
             raise CaptureError("selected_logprobs: worker source needs the engine at collect time")
         self._fetched = True
-        got = [r for r in await final.engine.worker_call(f"{NAME}.fetch", self.capture_id) if r is not None]
         p, c = final.prompt_token_count, final.completion_token_count
-        if not got:
-            if c == 0:
+        try:
+            r = await fetch_capture(final.engine, NAME, self.capture_id)
+        except CaptureError:
+            if c == 0:  # no sample was ever taken, so no worker saw one
                 return
-            raise CaptureError("selected_logprobs: no worker recorded this request's samples")
-        r = got[0]
+            raise
         if r["positions"] != list(range(p, p + c)):
             raise CaptureError(f"selected_logprobs: worker samples cover positions {r['positions'][:3]}...; "
                                f"expected {p}..{p + c - 1}")
@@ -114,7 +115,7 @@ class SelectedLogprobs:
         """Drop worker-side samples not fetched (request failed or was cancelled)."""
         if self.worker_source and self.capture_id is not None and not self._fetched and engine is not None:
             self._fetched = True
-            await engine.worker_call(f"{NAME}.discard", self.capture_id)
+            await discard_capture(engine, NAME, self.capture_id)
 
     def finalize(self, final: FinalContext) -> tuple[dict[str, Any], list[TensorPart]]:
         if len(self._values) != final.completion_token_count:
@@ -131,22 +132,58 @@ class SelectedLogprobs:
         self._values = array.array("f")
 
 
+class SelectedLogprobsReader:
+    """Strict decode-side checks, typed view and ``inspect`` summary of ``selected_logprobs``: section
+    ``{"token_start": P}``; tensor ``selected_logprobs.logprobs`` ``f32 [C]``, finite or -inf (no NaN, no +inf)."""
+
+    def validate(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
+        p, c = manifest["prompt_token_count"], manifest["completion_token_count"]
+        extra = set(tensors) - {f"{NAME}.logprobs"}
+        if extra:
+            raise ArtifactFormatError(f"selected_logprobs has unknown tensor(s) {sorted(extra)}; "
+                                      f"allowed: ['selected_logprobs.logprobs']")
+        lp = tensors.get(f"{NAME}.logprobs")
+        if lp is None or lp.dtype != np.float32 or lp.shape != (c,):
+            raise ArtifactFormatError(f"selected_logprobs.logprobs must be f32 [{c}]")
+        if s.get("token_start") != p or set(s) != {"token_start"}:
+            raise ArtifactFormatError(f"selected_logprobs section must be {{'token_start': {p}}} (prompt_token_count)")
+        bad = np.nonzero(np.isnan(lp) | (lp > 0) & np.isinf(lp))[0]
+        if bad.size:
+            raise ArtifactFormatError(
+                f"selected_logprobs[{int(bad[0])}] is {float(lp[bad[0]])}; only finite values and -inf are allowed")
+
+    def view(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        """``float32 [completion_token_count]``: logprob of each sampled token."""
+        return tensors[f"{NAME}.logprobs"]
+
+    def summary(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        lp = self.view(manifest, s, tensors)
+        finite = lp[np.isfinite(lp)]
+        return {"count": int(lp.size), "mean": float(finite.mean()) if finite.size else None,
+                "neg_inf": int(np.isneginf(lp).sum())}
+
+    def summary_text(self, summary: Mapping[str, Any]) -> str:
+        return f"{summary['count']} values, mean {summary['mean']}"
+
+
+READER = SelectedLogprobsReader()
+
+
 @hookimpl
 def genartifact_content_producer(name: str, model: ModelInfo) -> SelectedLogprobs | None:
     return SelectedLogprobs(model) if name == NAME else None
 
 
 @hookimpl
-def genartifact_worker_init(worker: Any) -> None:
-    from genartifact_logprobs.worker import install
-
-    install(worker)
+def genartifact_content_reader(name: str) -> SelectedLogprobsReader | None:
+    return READER if name == NAME else None
 
 
 @hookimpl
-def genartifact_worker_call(worker: Any, method: str, args: list[Any]) -> Any:
-    if not method.startswith(NAME + "."):
+def genartifact_worker_capture(worker: Any, settings: Mapping[str, Any]) -> Any:
+    """The worker source's capture (see :mod:`.worker`), for ``logprobs_mode = raw_logprobs`` engines."""
+    if str(getattr(worker.vllm_config.model_config, "logprobs_mode", "raw_logprobs")) != "raw_logprobs":
         return None
-    from genartifact_logprobs.worker import call
+    from genartifact_logprobs.worker import LogprobCapture
 
-    return call(worker, method[len(NAME) + 1 :], args)
+    return LogprobCapture(worker)

@@ -10,9 +10,10 @@ Two capture paths behind this one content:
 (a) native — vLLM's ``CompletionOutput.routed_experts`` (GPU, Model Runner V2, ``enable_return_routed_experts``):
     the full tensor arrives on the final delta with the layer axis = all decoder layers; dense layers are
     dropped (never reported as expert 0) and the tensor is narrowed to the compact dtype before it is retained.
-(b) worker — on runners without (a) (CPU): :mod:`genartifact_route_capture.worker` binds each MoE router's
-    capture callback inside the worker, attributes rows by absolute position, and the producer fetches a
-    finished request's rows through ``collective_rpc`` (``moe_routes.fetch``).
+(b) worker — on runners without (a) (CPU): :mod:`genartifact_route_capture.worker` (a ``WorkerCapture`` run by
+    genartifact's worker runtime on one rank per engine) binds each MoE router's capture callback, attributes
+    rows by absolute position, and the producer fetches a finished request's rows from whichever
+    data-parallel engine's worker holds them (``fetch_capture``: ``moe_routes.fetch``).
 
 Prefix caching: cached prefix tokens are never recomputed and produce no rows, so the worker path refuses
 ``enable_prefix_caching=True`` at admission, and any unfilled position fails the artifact at collect time.
@@ -26,8 +27,10 @@ from typing import Any
 
 import numpy as np
 import pluggy
-from genartifact.errors import AdmissionError, CaptureError
-from genartifact.format import TensorPart
+import structlog
+from genartifact.engine.worker_ext import discard_capture, fetch_capture
+from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
+from genartifact.format import DTYPES, TensorPart, route_dtype_code
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 
 from genartifact_route_capture.layout import RouterLayout, resolve_layout
@@ -57,10 +60,11 @@ class MoeRoutes:
     # admission ------------------------------------------------------------------------------------
     def admit(self, ctx: AdmissionContext) -> int:
         opts = ctx.model.engine_options
-        if not self.native and not opts.get("worker_extension"):
+        if not self.native and NAME not in (opts.get("worker_captures") or ()):
             raise AdmissionError(
-                "moe_routes needs a route source: set enable_return_routed_experts=True (GPU, Model Runner V2) "
-                "or worker_extension_cls='genartifact.engine.worker_ext.GenartifactWorkerExtension'"
+                "moe_routes needs a route source: set enable_return_routed_experts=True (GPU, Model Runner V2), "
+                "or let genartifact's worker capture run (installed through the vllm.general_plugins entry point "
+                "'genartifact'; no worker answered init with a moe_routes capture)"
             )
         if not self.native and opts.get("enable_prefix_caching"):
             raise AdmissionError(
@@ -126,11 +130,7 @@ class MoeRoutes:
             raise CaptureError("moe_routes: worker path needs the engine at collect time")
         positions = max(0, final.prompt_token_count + final.completion_token_count - 1)
         self._fetched = True  # fetch pops the worker's rows
-        results = await final.engine.worker_call(f"{NAME}.fetch", self.capture_id, self.start, positions)
-        got = [r for r in results if r is not None]
-        if not got:
-            raise CaptureError("moe_routes: no worker recorded rows for this request")
-        r = got[0]
+        r = await fetch_capture(final.engine, NAME, self.capture_id, self.start, positions)
         lay = self._lay()
         rows = max(0, positions - self.start)
         arr = np.frombuffer(r["data"], dtype=np.dtype(r["dtype"])).reshape(r["shape"])
@@ -146,7 +146,7 @@ class MoeRoutes:
         """Drop worker-side rows not fetched (request failed or was cancelled). Idempotent."""
         if self.capture_id is not None and not self._fetched and engine is not None:
             self._fetched = True
-            await engine.worker_call(f"{NAME}.discard", self.capture_id)
+            await discard_capture(engine, NAME, self.capture_id)
 
     def finalize(self, final: FinalContext) -> tuple[dict[str, Any], list[TensorPart]]:
         lay = self._lay()
@@ -174,33 +174,117 @@ class MoeRoutes:
         self._routes = None
 
 
+class MoeRoutesReader:
+    """Strict decode-side checks, typed view and ``inspect`` summary of ``moe_routes`` (no engine imports).
+
+    Section keys: ``token_start`` (int, 0..P), ``router_ids`` (ascending unique ints), ``expert_counts`` (ints
+    1..65536, one per router), ``top_k`` (int >= 1), ``layout`` (``"router_major"``), ``source`` (optional).
+    Tensor ``moe_routes.expert_ids``: ``[routers, rows, top_k]`` with rows = ``P + C - 1 - token_start``, dtype
+    ``u8`` when every router has <= 256 experts else ``u16``, each id < its router's expert count."""
+
+    def validate(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
+        p, c = manifest["prompt_token_count"], manifest["completion_token_count"]
+        need = {"token_start", "router_ids", "expert_counts", "top_k", "layout"}
+        if not need <= set(s):
+            raise ArtifactFormatError(f"moe_routes section needs keys {sorted(need)}")
+        extra = set(tensors) - {f"{NAME}.expert_ids"}
+        if extra:
+            raise ArtifactFormatError(f"moe_routes has unknown tensor(s) {sorted(extra)}; allowed: ['moe_routes.expert_ids']")
+        ids = tensors.get(f"{NAME}.expert_ids")
+        if ids is None or ids.ndim != 3:
+            raise ArtifactFormatError("moe_routes.expert_ids must exist with rank 3 [routers, rows, top_k]")
+        routers, rows, k = ids.shape
+        start = s["token_start"]
+        if s["layout"] != "router_major":
+            raise ArtifactFormatError(f"moe_routes layout {s['layout']!r}; allowed: 'router_major'")
+        if not _is_int(start) or not 0 <= start <= p:
+            raise ArtifactFormatError(f"moe_routes token_start {start!r} out of range 0..{p}")
+        if rows != max(0, p + c - 1 - start):
+            raise ArtifactFormatError(
+                f"moe_routes rows {rows} != prompt + completion - 1 - token_start = {max(0, p + c - 1 - start)}")
+        rid, ec = s["router_ids"], s["expert_counts"]
+        if not (isinstance(rid, list) and isinstance(ec, list) and len(rid) == len(ec) == routers and routers > 0):
+            raise ArtifactFormatError(f"router_ids/expert_counts must list {routers} routers")
+        if not all(_is_int(x) and x >= 0 for x in rid) or rid != sorted(set(rid)):
+            raise ArtifactFormatError("router_ids must be unique, ascending, non-negative integers")
+        if not all(_is_int(x) and 1 <= x <= 65536 for x in ec):
+            raise ArtifactFormatError("expert_counts must be in 1..65536")
+        if not _is_int(s["top_k"]) or s["top_k"] != k or k < 1:
+            raise ArtifactFormatError(f"moe_routes top_k {s['top_k']!r} != tensor top_k {k}")
+        code = route_dtype_code(max(ec))
+        if ids.dtype != DTYPES[code]:
+            raise ArtifactFormatError(f"moe_routes.expert_ids dtype must be {code} for max expert count {max(ec)}")
+        if ids.size:
+            per_router_max = ids.reshape(routers, -1).max(axis=1)
+            bad = np.nonzero(per_router_max >= np.asarray(ec))[0]
+            if bad.size:
+                i = int(bad[0])
+                raise ArtifactFormatError(
+                    f"expert id {int(per_router_max[i])} out of range for router {rid[i]} with {ec[i]} experts")
+
+    def view(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Expert ids ``[rows, routers, top_k]`` (zero-copy transposed view; row i = position token_start + i)."""
+        return tensors[f"{NAME}.expert_ids"].transpose(1, 0, 2)
+
+    def summary(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        routes = self.view(manifest, s, tensors)
+        return {"rows": int(routes.shape[0]), "routers": s["router_ids"], "top_k": s["top_k"],
+                "token_start": s["token_start"], "source": s.get("source"),
+                "first_row": routes[0].tolist() if routes.shape[0] else []}
+
+    def summary_text(self, summary: Mapping[str, Any]) -> str:
+        r = summary
+        return (f"{r['rows']} rows x {len(r['routers'])} routers {r['routers']} x top-{r['top_k']}, "
+                f"start {r['token_start']}, source {r['source']}; row 0: {r['first_row']}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+READER = MoeRoutesReader()
+
+
 @hookimpl
 def genartifact_content_producer(name: str, model: ModelInfo) -> MoeRoutes | None:
     return MoeRoutes(model) if name == NAME else None
 
 
 @hookimpl
-def genartifact_engine_options(options: dict[str, Any]) -> None:
-    """Worker path: route capture cannot see prefix-cached tokens, so prefix caching is turned off unless
-    the engine returns routes natively."""
-    if not options.get("enable_return_routed_experts"):
-        options["enable_prefix_caching"] = False
+def genartifact_content_reader(name: str) -> MoeRoutesReader | None:
+    return READER if name == NAME else None
 
 
 @hookimpl
-def genartifact_worker_init(worker: Any) -> None:
-    from genartifact_route_capture.worker import install
-
-    install(worker)
+def genartifact_engine_options(options: dict[str, Any], worker_capture: bool) -> None:
+    """Worker path: route capture cannot see prefix-cached tokens (they are never recomputed), so prefix caching
+    is turned off — only when worker capture will actually run (``worker_capture``) and the engine does not
+    return routes natively — with a warning when it was on or left to vLLM's default."""
+    if not worker_capture or options.get("enable_return_routed_experts"):
+        return
+    if options.get("enable_prefix_caching") is not False:
+        structlog.get_logger("genartifact.route_capture").warning(
+            "prefix_caching_disabled", option="enable_prefix_caching", was=options.get("enable_prefix_caching"),
+            reason="moe_routes worker capture never sees prefix-cached tokens (they are not recomputed); keep "
+                   "prefix caching with an engine that returns routes natively (enable_return_routed_experts=True)")
+    options["enable_prefix_caching"] = False
 
 
 @hookimpl
-def genartifact_worker_call(worker: Any, method: str, args: list[Any]) -> Any:
-    if not method.startswith(NAME + "."):
+def genartifact_worker_capture(worker: Any, settings: Mapping[str, Any]) -> Any:
+    """The worker path's capture (see :mod:`.worker`); None where vLLM returns routes natively."""
+    if _native_routes_enabled(worker.vllm_config):
         return None
-    from genartifact_route_capture.worker import call
+    from genartifact_route_capture.worker import RouteCapture
 
-    return call(worker, method[len(NAME) + 1 :], args)
+    return RouteCapture(worker)
+
+
+def _native_routes_enabled(vcfg: Any) -> bool:
+    aux = getattr(vcfg, "aux_output_config", None)
+    if aux is not None and getattr(aux, "enable_return_routed_experts", False):
+        return True
+    return bool(getattr(vcfg.model_config, "enable_return_routed_experts", False))
 
 
 def layout_for(cfg: Mapping[str, Any]) -> RouterLayout:

@@ -1,0 +1,219 @@
+"""GRPO groups: ``n`` samples of one prompt with the prompt's route rows stored once.
+
+Design (``docs/format.md``, "Groups"; an addition to ``generation_artifact_v1`` that needs no new reader: every
+object below is a valid v1 artifact on its own):
+
+* **prompt part** — one object per group: ``token_ids`` = the prompt (P tokens, C = 0), ``moe_routes`` rows for
+  positions ``s .. P-2`` (``s`` = the group's ``routed_experts_prompt_start``), ``header.group =
+  {"id", "role": "prompt_part", "size": n}``. Its rows are *first wins*: taken from sample 0.
+* **sample part** — one object per sample (each still gets its own receipt): the full token ids (prompt +
+  completion), every other content unchanged, ``moe_routes`` from ``token_start = t_k`` where ``t_k = P - 1``
+  (the last prompt token's row onward — prefill computes it, and it is the first row a completion depends on)
+  unless the sample's own prompt rows differ from the prompt part: then ``t_k`` = the first differing position,
+  so the differing rows are kept with that sample, never dropped. ``header.group = {"id", "role": "sample",
+  "index", "size", "prompt_row_mismatches", "prompt_part": {"sha256", "byte_count", "object_id"?, "token_start":
+  s, "rows"}}``.
+
+A reader joins them (:func:`join`): prompt-part rows for positions ``s .. t_k - 1`` then the sample's rows — exactly
+the rows a non-deduplicated artifact of that sample holds. Nothing here imports vllm or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from genartifact import format as fmt
+from genartifact.errors import GenartifactError
+from genartifact.loaders import (
+    ArtifactRef,
+    BatchResult,
+    LayoutError,
+    LoadError,
+    ReadableTarget,
+    Routes,
+    aload_batch,
+    ref_of,
+    verify_bytes,
+)
+
+ROUTES = "moe_routes.expert_ids"
+
+
+class GroupError(GenartifactError, ValueError):
+    """Samples that do not form a group (different prompts, routers or route starts), or a sample and prompt part
+    that do not belong together (digest, tokens, routers)."""
+
+
+@dataclass(frozen=True)
+class SamplePart:
+    """One sample's deduplicated input and how many of its prompt rows differed from the prompt part (rows)."""
+
+    input: fmt.ArtifactInput
+    prompt_row_mismatches: int
+    token_start: int
+
+
+def _routes_of(inp: fmt.ArtifactInput) -> tuple[np.ndarray, Mapping[str, Any]]:
+    if "moe_routes" not in inp.sections:
+        raise GroupError("group dedup needs the moe_routes content in every sample")
+    for t in inp.tensors:
+        if t.name == ROUTES:
+            return np.asarray(t.array), inp.sections["moe_routes"]
+    raise GroupError(f"sample has no {ROUTES} tensor")
+
+
+def _check_group(samples: Sequence[fmt.ArtifactInput]) -> tuple[np.ndarray, int, int, Mapping[str, Any]]:
+    if not samples:
+        raise GroupError("a group needs at least one sample")
+    p = samples[0].prompt_token_count
+    prompt = np.asarray(samples[0].token_ids)[:p]
+    _, sec0 = _routes_of(samples[0])
+    s = int(sec0["token_start"])
+    if p < 1 or s > p - 1:
+        raise GroupError(f"prompt of {p} tokens with routes from {s}: nothing to share (needs start <= P - 1)")
+    for k, x in enumerate(samples):
+        ids, sec = _routes_of(x)
+        if x.prompt_token_count != p or not np.array_equal(np.asarray(x.token_ids)[:p], prompt):
+            raise GroupError(f"sample {k}: prompt token ids differ from sample 0's")
+        if int(sec["token_start"]) != s:
+            raise GroupError(f"sample {k}: moe_routes token_start {sec['token_start']} != sample 0's {s}")
+        if (list(sec["router_ids"]), list(sec["expert_counts"]), int(sec["top_k"])) != \
+                (list(sec0["router_ids"]), list(sec0["expert_counts"]), int(sec0["top_k"])):
+            raise GroupError(f"sample {k}: routers/expert counts/top_k differ from sample 0's")
+        if ids.shape[1] < p - 1 - s:
+            raise GroupError(f"sample {k}: {ids.shape[1]} route rows, fewer than the {p - 1 - s} prompt rows")
+    return prompt, p, s, sec0
+
+
+def prompt_part(samples: Sequence[fmt.ArtifactInput], group_id: str) -> fmt.ArtifactInput:
+    """The group's prompt-part input (first wins: sample 0's rows for positions ``s .. P-2``).
+
+    ``samples``: full (non-deduplicated) inputs of the group's samples, ``moe_routes.expert_ids`` stored
+    router-major ``[routers, rows, top_k]`` from a common ``token_start``. Raises :class:`GroupError`.
+    """
+    prompt, p, s, sec0 = _check_group(samples)
+    ids, _ = _routes_of(samples[0])
+    section = {**sec0, "token_start": s}
+    return fmt.ArtifactInput(
+        token_ids=prompt.astype(np.uint32), prompt_token_count=p, contents=["moe_routes"],
+        sections={"moe_routes": section},
+        tensors=[fmt.TensorPart(ROUTES, np.ascontiguousarray(ids[:, : p - 1 - s]))],
+        header={**dict(samples[0].header), "group": {"id": group_id, "role": "prompt_part", "size": len(samples)}})
+
+
+def sample_parts(samples: Sequence[fmt.ArtifactInput], group_id: str,
+                 prompt_receipt: Mapping[str, Any]) -> list[SamplePart]:
+    """Each sample's deduplicated input, referencing the stored prompt part by ``prompt_receipt`` (its
+    ``sha256`` and ``byte_count``; ``object_id`` too when it has one).
+
+    Sample *k*'s prompt rows are compared with the prompt part (sample 0's): equal -> it stores rows from
+    ``P - 1``; otherwise from its first differing position (all differing rows stay with the sample) and
+    ``prompt_row_mismatches`` counts the differing rows. Raises :class:`GroupError`.
+    """
+    prompt, p, s, _ = _check_group(samples)
+    shared = _routes_of(samples[0])[0][:, : p - 1 - s]
+    sha, bc = prompt_receipt.get("sha256"), prompt_receipt.get("byte_count")
+    if not isinstance(sha, str) or len(sha) != 64 or isinstance(bc, bool) or not isinstance(bc, int):
+        raise GroupError("prompt_receipt needs the prompt part's sha256 (64 hex) and byte_count")
+    ref: dict[str, Any] = {"sha256": sha, "byte_count": bc, "token_start": s, "rows": p - 1 - s}
+    if isinstance(prompt_receipt.get("object_id"), str):
+        ref["object_id"] = prompt_receipt["object_id"]
+    out = []
+    for k, x in enumerate(samples):
+        ids, sec = _routes_of(x)
+        diff = np.nonzero((ids[:, : p - 1 - s] != shared).any(axis=(0, 2)))[0]
+        t = s + int(diff[0]) if diff.size else p - 1
+        tensors = [fmt.TensorPart(ROUTES, np.ascontiguousarray(ids[:, t - s :])) if tp.name == ROUTES else tp
+                   for tp in x.tensors]
+        header = {**dict(x.header), "group": {"id": group_id, "role": "sample", "index": k, "size": len(samples),
+                                              "prompt_row_mismatches": int(diff.size), "prompt_part": ref}}
+        sections = {**x.sections, "moe_routes": {**sec, "token_start": t}}
+        out.append(SamplePart(replace(x, sections=sections, tensors=tensors, header=header), int(diff.size), t))
+    return out
+
+
+def join(prompt: fmt.Artifact, sample: fmt.Artifact) -> Routes:
+    """The full routes of a sample part (positions ``s .. T-2``), equal to a non-deduplicated artifact's rows.
+
+    Checks: the sample's ``header.group.prompt_part.sha256``/``byte_count`` match ``prompt``, the prompt token ids
+    are the sample's first P tokens, routers agree, and the row counts add up. Raises :class:`GroupError`.
+    """
+    g = sample.manifest["header"].get("group")
+    if not isinstance(g, dict) or g.get("role") != "sample" or not isinstance(g.get("prompt_part"), dict):
+        raise GroupError("artifact is not a group sample part (header.group.role != 'sample')")
+    ref = g["prompt_part"]
+    if prompt.sha256 != ref.get("sha256") or prompt.byte_count != ref.get("byte_count"):
+        raise GroupError("prompt part digest/byte count differ from the sample's reference")
+    pr, sr = Routes.of(prompt), Routes.of(sample)
+    p = prompt.prompt_token_count
+    if sample.prompt_token_count != p or not np.array_equal(sample.token_ids[:p], prompt.token_ids):
+        raise GroupError("the sample's prompt token ids differ from the prompt part's")
+    if (pr.router_ids, pr.expert_counts, pr.top_k) != (sr.router_ids, sr.expert_counts, sr.top_k):
+        raise GroupError("routers/expert counts/top_k of sample and prompt part differ")
+    s, t = pr.token_start, sr.token_start
+    if not s <= t <= p - 1 or pr.rows.shape[0] != p - 1 - s:
+        raise GroupError(f"sample token_start {t} outside the prompt part's positions {s}..{p - 1}")
+    rows = np.concatenate([pr.rows[: t - s], sr.rows], axis=0)
+    expect = max(0, sample.token_ids.shape[0] - 1 - s)
+    if rows.shape[0] != expect:
+        raise GroupError(f"joined rows {rows.shape[0]} != T - 1 - start = {expect}")
+    return Routes(sample.token_ids, p, s, rows, sr.router_ids, sr.expert_counts)
+
+
+async def aload_group(items: Iterable[Mapping[str, Any] | str | ArtifactRef], target: ReadableTarget,
+                      **kwargs: Any) -> BatchResult:
+    """Load sample parts (receipts or ids) and return their joined :class:`~genartifact.loaders.Routes`, each
+    distinct prompt part fetched once (by the ``object_id`` in the sample's reference, verified against its
+    ``sha256`` and ``byte_count``). Artifacts without a group header are returned as ``Routes.of(art)``.
+    Per-item failures land in ``BatchResult.errors`` (check ``layout`` for join failures). ``kwargs`` go to
+    :func:`~genartifact.loaders.aload_batch` (bounds, progress)."""
+    items = list(items)
+    res = await aload_batch(items, target, layout="artifact", **kwargs)
+    cache: dict[str, Any] = {}
+    out: list[Any] = [None] * len(res.items)
+    errors = list(res.errors)
+    for i, art in enumerate(res.items):
+        if art is None:
+            continue
+        g = art.manifest["header"].get("group")
+        try:
+            if not isinstance(g, dict) or g.get("role") != "sample":
+                out[i] = Routes.of(art)
+                continue
+            ref = g.get("prompt_part") or {}
+            oid = ref.get("object_id")
+            if not isinstance(oid, str):
+                raise GroupError("sample's prompt_part reference has no object_id to fetch")
+            if oid not in cache:
+                r = ArtifactRef(oid, ref.get("byte_count"), ref.get("sha256"))
+                try:
+                    cache[oid] = verify_bytes(r, await target.open(oid, int(r.byte_count or 0) + 1))
+                except LoadError as e:
+                    cache[oid] = e
+                except Exception as e:  # noqa: BLE001 - per item
+                    cache[oid] = LoadError(f"prompt part read failed ({type(e).__name__})", check="fetch",
+                                           object_id=oid)
+            part = cache[oid]
+            if isinstance(part, LoadError):
+                raise part
+            out[i] = join(part, art)
+        except LoadError as e:
+            errors.append(LoadError(f"prompt part: {e.message}", check=e.check, index=i, object_id=e.object_id))
+        except (GroupError, LayoutError) as e:
+            errors.append(LoadError(str(e), check="layout", index=i, object_id=ref_of(items[i]).object_id))
+    errors.sort(key=lambda e: e.index if e.index is not None else -1)
+    return BatchResult(out, errors, res.bytes_fetched, res.peak_bytes_in_flight)
+
+
+def load_group(items: Iterable[Mapping[str, Any] | str | ArtifactRef], target: ReadableTarget,
+               **kwargs: Any) -> BatchResult:
+    """Synchronous :func:`aload_group`."""
+    return asyncio.run(aload_group(items, target, **kwargs))
+
+
+__all__ = ["GroupError", "SamplePart", "aload_group", "join", "load_group", "prompt_part", "sample_parts"]

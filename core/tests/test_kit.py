@@ -1,0 +1,147 @@
+"""The plugin-author kit holds its own reference target to the conformance bar, and the suites catch broken
+plugins (a suite that cannot fail proves nothing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from genartifact.errors import DeliveryError
+from genartifact.testing import MemoryTarget, deltas, make_host, run_session
+from genartifact.testing.conformance import ContentConformance, TargetConformance
+
+
+class TestMemoryTargetConformance(TargetConformance):
+    def make_target(self):
+        return MemoryTarget(max_bytes=4096)
+
+    def target_spec(self, key):
+        return {"kind": "memory", "object_key": key}
+
+    def small_target_spec(self, key):
+        return self.target_spec(key)
+
+    def bad_specs(self):
+        return [({"kind": "memory"}, "object_key"), ({"kind": "memory", "object_key": "k", "x": 1}, "unknown key")]
+
+
+class Overwriting(MemoryTarget):
+    async def deliver(self, target, data, sha256):
+        self.objects[target.object_id] = bytes(data)  # not create-only
+        return target.object_id
+
+
+class NoLimit(MemoryTarget):
+    async def deliver(self, target, data, sha256):
+        self.objects[target.object_id] = bytes(data)  # writes, then complains: not all-or-nothing
+        if len(data) > self.max_bytes:
+            raise DeliveryError("too big", "too_large")
+        return target.object_id
+
+
+@pytest.mark.parametrize("cls, test", [(Overwriting, "test_create_only_second_write_fails_and_keeps_the_first"),
+                                       (NoLimit, "test_too_large_refused_before_writing")])
+def test_target_suite_catches_broken_targets(cls, test):
+    class Suite(TestMemoryTargetConformance):
+        def make_target(self):
+            return cls(max_bytes=4096)
+
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        getattr(Suite(), test)()
+
+
+class Echo:
+    """Stores each completion token id once more (u32 [C])."""
+
+    def __init__(self, name):
+        self.name, self.vals = name, []
+
+    def admit(self, ctx):
+        return 4 * ctx.max_tokens
+
+    def sampling_overrides(self, params):
+        pass
+
+    def on_delta(self, delta):
+        self.vals.extend(delta.new_token_ids)
+
+    async def collect(self, final):
+        pass
+
+    def finalize(self, final):
+        from genartifact.format import TensorPart
+
+        return {}, [TensorPart(f"{self.name}.values", np.asarray(self.vals, "<u4"))]
+
+    def retained_bytes(self):
+        return 4 * len(self.vals)
+
+    def release(self):
+        self.vals = []
+
+
+class StrictReader:
+    def validate(self, manifest, section, tensors):
+        from genartifact.errors import ArtifactFormatError
+
+        v = tensors.get("echo.values")
+        if v is None or v.shape != (manifest["completion_token_count"],):
+            raise ArtifactFormatError("echo.values must be u32 [C]")
+
+    def summary(self, manifest, section, tensors):
+        return {"n": int(tensors["echo.values"].size)}
+
+
+class LooseReader(StrictReader):
+    def validate(self, manifest, section, tensors):
+        pass  # accepts anything: not aligned to the tokens
+
+
+def echo_plugin(reader):
+    from genartifact.testing import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return Echo(name) if name == "echo" else None
+
+        @hookimpl
+        def genartifact_content_reader(self, name):
+            return reader if name == "echo" else None
+
+    return Plugin()
+
+
+class TestEchoConformance(ContentConformance):
+    content = "echo"
+
+    def make_host(self):
+        return make_host(contents={"echo": echo_plugin(StrictReader())})
+
+
+def test_content_suite_catches_a_content_ignoring_alignment():
+    class Suite(ContentConformance):
+        content = "echo"
+
+        def make_host(self):
+            return make_host(contents={"echo": echo_plugin(LooseReader())})
+
+    Suite().test_strict_decode_round_trip()  # a loose reader still round-trips...
+    with pytest.raises(pytest.fail.Exception):  # ...but the alignment check catches it
+        Suite().test_token_alignment_is_enforced_by_the_reader()
+
+
+def test_deltas_builder_shapes():
+    ds = deltas([1, 2], [3, 4, 5], logprobs=[-1.0, -2.0, -3.0], start_ns=100, step_ns=10)
+    assert [d.new_token_ids for d in ds] == [[3], [4], [5]]
+    assert [d.arrival_ns for d in ds] == [100, 110, 120] and [d.finished for d in ds] == [False, False, True]
+    assert ds[-1].finish_reason == "length" and ds[0].finish_reason is None
+    assert ds[1].new_logprobs == [{4: -2.0}]
+    final = deltas([1], [2, 3], per_step=False)
+    assert len(final) == 1 and final[0].new_token_ids == [2, 3] and final[0].finished
+
+
+def test_run_session_reads_back_through_the_target():
+    res = run_session(make_host(contents={"echo": echo_plugin(StrictReader())}), ["echo"], [1, 2], [7, 8, 9])
+    assert res.receipt["state"] == "ready" and res.data is not None
+    assert np.array_equal(res.artifact.tensors["echo.values"], [7, 8, 9])
+    assert res.artifact.summary() == {"echo": {"n": 3}}

@@ -1,0 +1,332 @@
+"""The host's contract with plugins: config order is run order for every hook, load-time checks, and fault
+isolation (a plugin's exception or bad return value is that request's ``internal_error``, named in the log)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+import structlog
+from genartifact.errors import PluginFault, PluginLoadError
+from genartifact.format import TensorPart
+from genartifact.host import PluginHost, redact
+from genartifact.journal import DeliveryJournal
+from genartifact.testing import MemoryTarget, hookimpl, make_host, run_session
+
+
+class Echo:
+    """A minimal well-behaved content: one u32 per completion token (the token id itself)."""
+
+    def __init__(self, name="echo", fail=None, bad=None):
+        self.name, self.fail, self.bad = name, fail, bad
+        self.vals: list[int] = []
+        self.max = 0
+
+    def _maybe(self, method):
+        if self.fail == method:
+            raise RuntimeError(f"{method} exploded; token=abc123 url=https://h.example/x?X-Amz-Signature=deadbeef")
+
+    def admit(self, ctx):
+        self._maybe("admit")
+        self.max = ctx.max_tokens
+        return "lots" if self.bad == "admit" else 4 * ctx.max_tokens
+
+    def sampling_overrides(self, params):
+        self._maybe("sampling_overrides")
+
+    def on_delta(self, delta):
+        self._maybe("on_delta")
+        self.vals.extend(delta.new_token_ids)
+
+    async def collect(self, final):
+        self._maybe("collect")
+
+    def finalize(self, final):
+        self._maybe("finalize")
+        if self.bad == "finalize_type":
+            return {"n": 1}
+        if self.bad == "finalize_name":
+            return {}, [TensorPart("other.values", np.zeros(1, "<u4"))]
+        if self.bad == "finalize_big":
+            return {}, [TensorPart(f"{self.name}.values", np.zeros(10_000, "<u4"))]
+        return {}, [TensorPart(f"{self.name}.values", np.asarray(self.vals, "<u4"))]
+
+    def retained_bytes(self):
+        self._maybe("retained_bytes")
+        return -1 if self.bad == "retained" else 4 * len(self.vals)
+
+    def release(self):
+        self._maybe("release")
+        self.vals = []
+
+
+class EchoReader:
+    def validate(self, manifest, section, tensors):
+        from genartifact.errors import ArtifactFormatError
+
+        v = tensors.get("echo.values")
+        if v is None or v.shape != (manifest["completion_token_count"],):
+            raise ArtifactFormatError("echo.values must be u32 [C]")
+
+    def summary(self, manifest, section, tensors):
+        return {"n": int(tensors["echo.values"].size)}
+
+
+def echo_plugin(**kw):
+    class Plugin:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return Echo(name, **kw) if name == "echo" else None
+
+        @hookimpl
+        def genartifact_content_reader(self, name):
+            return EchoReader() if name == "echo" else None
+
+    return Plugin()
+
+
+# ------------------------------------------------------------------------------------------ run order
+def order_plugin(tag, calls):
+    class P:
+        @hookimpl
+        def genartifact_engine_options(self, options):
+            calls.append(("engine_options", tag))
+
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            calls.append(("content_producer", tag))
+            return Echo(name) if name == "echo" and tag != "first" else None
+
+        @hookimpl
+        def genartifact_worker_call(self, worker, method, args):
+            calls.append(("worker_call", tag))
+            return tag if tag != "first" else None
+
+        @hookimpl
+        def genartifact_worker_capture(self, worker, settings):
+            calls.append(("worker_capture", tag))
+
+    return P()
+
+
+def test_config_order_is_run_order_for_every_hook_with_three_plugins():
+    calls: list = []
+    objs = {t: order_plugin(t, calls) for t in ("first", "second", "third")}
+    host = make_host(contents=objs)
+    host.hooks.engine_options(options={})
+    assert host.hooks.worker_captures(worker=None, settings={}) == []
+    assert host.hooks.worker_call(worker=None, method="m", args=[]) == "second"  # firstresult: config order
+    p = host.hooks.content_producer(name="echo", model=None)
+    assert p.info.name == "second"
+    by_hook = {}
+    for hook, tag in calls:
+        by_hook.setdefault(hook, []).append(tag)
+    assert by_hook == {"engine_options": ["first", "second", "third"], "worker_capture": ["first", "second", "third"],
+                       "worker_call": ["first", "second"], "content_producer": ["first", "second"]}
+    calls.clear()
+    host._pm.hook.genartifact_engine_options(options={}, worker_capture=False)  # pluggy's own call path agrees (fixed at registration)
+    assert [t for _, t in calls] == ["first", "second", "third"]
+    calls.clear()
+    reversed_host = make_host(contents={t: objs[t] for t in ("third", "second", "first")})
+    reversed_host.hooks.engine_options(options={})
+    assert [t for _, t in calls] == ["third", "second", "first"]
+
+
+# ------------------------------------------------------------------------------------------ load-time checks
+def test_function_without_hookimpl_is_a_load_error_naming_the_fix():
+    mod = types.ModuleType("nohook")
+
+    def genartifact_content_producer(name, model):
+        return None
+
+    mod.genartifact_content_producer = genartifact_content_producer
+    with pytest.raises(PluginLoadError, match=r"content 'nohook'.*genartifact_content_producer is not decorated "
+                                              r"with @hookimpl"):
+        PluginHost({"contents": ["nohook"]}, objects={"contents": {"nohook": mod}})
+
+
+def test_plugin_without_any_hook_is_a_load_error():
+    with pytest.raises(PluginLoadError, match="has no @hookimpl functions"):
+        PluginHost({"contents": ["empty"]}, objects={"contents": {"empty": types.ModuleType("empty")}})
+
+
+def test_hook_name_typo_suggests_the_hook():
+    mod = types.ModuleType("typo")
+
+    @hookimpl
+    def genartifact_content_prodcer(name, model):
+        return None
+
+    mod.genartifact_content_prodcer = genartifact_content_prodcer
+    with pytest.raises(PluginLoadError, match="did you mean genartifact_content_producer"):
+        PluginHost({"contents": ["typo"]}, objects={"contents": {"typo": mod}})
+
+
+def test_two_entry_points_resolving_to_one_object():
+    obj = echo_plugin()
+    with pytest.raises(PluginLoadError, match=r"resolve to the same object; give each entry point its own"):
+        PluginHost({"contents": ["a", "b"]}, objects={"contents": {"a": obj, "b": obj}})
+
+
+def test_hook_wrappers_refused():
+    class W:
+        @hookimpl(wrapper=True)
+        def genartifact_engine_options(self, options):
+            return (yield)
+
+    with pytest.raises(PluginLoadError, match="hook wrapper"):
+        PluginHost({"contents": ["w"]}, objects={"contents": {"w": W()}})
+
+
+# ------------------------------------------------------------------------------------------ fault isolation
+@pytest.mark.parametrize("method", ["on_delta", "collect", "finalize", "retained_bytes"])
+def test_content_raising_after_admission_fails_only_that_request(method):
+    host = make_host(contents={"echo": echo_plugin(fail=method)})
+    with structlog.testing.capture_logs() as logs:
+        res = run_session(host, ["echo"], [1, 2, 3], [4, 5])
+    assert res.receipt["state"] == "failed" and res.receipt["error_code"] == "internal_error"
+    fault = next(e for e in logs if e["event"] == "plugin_fault")
+    assert fault["plugin"] == "echo" and fault["dist"] == "<in-process>" and fault["method"] == method
+    assert fault["error_type"] == "RuntimeError" and f"{method} exploded" in fault["error"]
+    assert "deadbeef" not in fault["error"] and "abc123" not in fault["error"]
+    assert host.memory_store == {}  # nothing stored
+    ok = run_session(make_host(contents={"echo": echo_plugin()}), ["echo"], [1, 2, 3], [4, 5])
+    assert ok.receipt["state"] == "ready" and ok.artifact.tensors["echo.values"].tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("method", ["admit", "sampling_overrides"])
+def test_content_raising_at_admission_is_a_plugin_fault(method):
+    host = make_host(contents={"echo": echo_plugin(fail=method)})
+    with pytest.raises(PluginFault, match=rf"content plugin echo \(<in-process> 0\) raised RuntimeError in {method}"):
+        run_session(host, ["echo"], [1, 2, 3], [4, 5])
+
+
+def test_release_fault_is_logged_and_does_not_change_the_receipt():
+    host = make_host(contents={"echo": echo_plugin(fail="release")})
+    with structlog.testing.capture_logs() as logs:
+        res = run_session(host, ["echo"], [1, 2], [3])
+    assert res.receipt["state"] == "ready"
+    assert any(e["event"] == "plugin_fault" and e["method"] == "release" for e in logs)
+
+
+@pytest.mark.parametrize("bad,where", [("admit", "admit"), ("finalize_type", "finalize"),
+                                       ("finalize_name", "finalize"), ("finalize_big", "finalize"),
+                                       ("retained", "retained_bytes")])
+def test_bad_producer_return_values(bad, where):
+    host = make_host(contents={"echo": echo_plugin(bad=bad)})
+    with structlog.testing.capture_logs() as logs:
+        try:
+            res = run_session(host, ["echo"], [1, 2], [3, 4])
+            assert res.receipt["error_code"] == "internal_error"
+        except PluginFault as e:
+            assert where == "admit" and e.error_type == "bad_return"
+    assert any(e["event"] == "plugin_fault" and e["method"] == where for e in logs)
+    assert host.memory_store == {}
+
+
+class BadTarget(MemoryTarget):
+    kind = "bad"
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def validate(self, spec):
+        if self.mode == "validate":
+            raise KeyError("object_key")
+        vt = super().validate({k: v for k, v in spec.items() if k != "kind"})
+        from genartifact.types import ValidatedTarget
+
+        return ValidatedTarget("bad", vt.max_bytes, vt.object_id)
+
+    async def deliver(self, target, data, sha256):
+        await super().deliver(target, data, sha256)
+        if self.mode == "raise":
+            raise RuntimeError("connection reset: https://u:p@store.example/k?sig=1")
+        return {"none": None, "int": 123, "other": "other-id", "bytes": data}.get(self.mode, target.object_id)
+
+
+def bad_target_host(mode):
+    class P:
+        @hookimpl
+        def genartifact_storage_target(self, kind, settings):
+            return BadTarget(mode) if kind == "bad" else None
+
+    return make_host(contents={"echo": echo_plugin()}, targets={"bad": P()}, memory_target=False)
+
+
+@pytest.mark.parametrize("mode", ["none", "int", "other", "bytes", "raise"])
+def test_target_deliver_bad_return_or_raise_is_internal_error_and_journaled(mode, tmp_path):
+    host = bad_target_host(mode)
+    journal = DeliveryJournal(tmp_path / "j.jsonl")
+    with structlog.testing.capture_logs() as logs:
+        res = run_session(host, ["echo"], [1], [2], target={"kind": "bad", "object_key": "k"}, journal=journal)
+    assert res.receipt["state"] == "failed" and res.receipt["error_code"] == "internal_error"
+    assert "object_id" not in res.receipt
+    fault = next(e for e in logs if e["event"] == "plugin_fault")
+    assert fault["method"] == "deliver" and "u:p@" not in fault["error"] and "sig=1" not in fault["error"]
+    assert [r["last_state"] for r in journal.unresolved()] == ["failed"]  # an outcome, never an eternal intent
+
+
+def test_target_validate_unexpected_exception_is_a_fault():
+    host = bad_target_host("validate")
+    with pytest.raises(PluginFault, match=r"target plugin bad .* raised KeyError in validate"):
+        run_session(host, ["echo"], [1], [2], target={"kind": "bad", "object_key": "k"})
+
+
+def test_receipt_object_id_is_the_validated_id():
+    res = run_session(bad_target_host("ok"), ["echo"], [1], [2], target={"kind": "bad", "object_key": "k1"})
+    assert res.receipt["state"] == "ready" and res.receipt["object_id"] == "k1" and res.receipt["target"] == "bad"
+
+
+def test_factory_returning_wrong_object_is_a_fault():
+    class P:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return object()
+
+    host = make_host(contents={"echo": P()})
+    with pytest.raises(PluginFault, match=r"without method\(s\)"):
+        run_session(host, ["echo"], [1], [2])
+
+
+def test_redact_removes_url_secrets_and_credentials():
+    text = ("PUT https://user:pw@bucket.s3.example.com/k.gart?X-Amz-Signature=abc&X-Amz-Credential=AK "
+            "failed; Authorization: Bearer-xyz token=t0k secret_key='s3cr3t'")
+    out = redact(text)
+    for secret in ("pw", "abc", "AK", "Bearer-xyz", "t0k", "s3cr3t"):
+        assert secret not in out.replace("<redacted>", "")
+    assert "bucket.s3.example.com/k.gart" in out
+
+
+def test_other_requests_run_on_after_a_fault_in_one():
+    faulty = {"n": 0}
+
+    class Flaky(Echo):
+        def on_delta(self, delta):
+            faulty["n"] += 1
+            if faulty["n"] == 1:
+                raise ValueError("first request only")
+            super().on_delta(delta)
+
+    class P:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return Flaky(name) if name == "echo" else None
+
+        @hookimpl
+        def genartifact_content_reader(self, name):
+            return EchoReader() if name == "echo" else None
+
+    host = make_host(contents={"echo": P()})
+
+    async def both():
+        from genartifact.testing import arun_session
+
+        return await asyncio.gather(arun_session(host, ["echo"], [1], [2], per_step=False),
+                                    arun_session(host, ["echo"], [1], [3], per_step=False))
+
+    a, b = asyncio.run(both())
+    assert sorted([a.receipt["state"], b.receipt["state"]]) == ["failed", "ready"]

@@ -1,0 +1,224 @@
+"""The one worker-capture mechanism (``genartifact.engine.worker_ext``) without an engine: a fake worker whose
+runner has ``execute_model``/``sample_tokens``, fake captures registered through the real hook, and
+``fetch_capture``'s answers for data-parallel and tensor-parallel layouts."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from types import SimpleNamespace as NS
+
+import pluggy
+import pytest
+from genartifact.engine.worker_ext import WorkerCapture, WorkerRuntime, _dispatch, fetch_capture, register_vllm_plugin
+from genartifact.errors import CaptureError
+from genartifact.host import PluginHost
+
+hookimpl = pluggy.HookimplMarker("genartifact")
+
+
+class Recorder(WorkerCapture):
+    name = "fake"
+    capture_key = "fake_id"
+
+    def __init__(self, worker, fail_in=None):
+        self.worker, self.fail_in, self.events, self.rows = worker, fail_in, [], {}
+
+    def begin_step(self, step):
+        self.events.append(("begin", step.index, dict(step.flagged["fake"])))
+        if self.fail_in == "begin":
+            raise KeyError("boom")
+
+    def end_step(self, step):
+        self.events.append(("end", step.index, step.model_output, step.failed))
+        for rid, cid in step.flagged["fake"].items():
+            self.rows.setdefault(cid, []).append(step.scheduler_output.num_scheduled_tokens[rid])
+
+    def pop(self, cid, args):
+        return self.rows.pop(cid, None)
+
+    def drop(self, cid):
+        return self.rows.pop(cid, None) is not None
+
+    def stats(self):
+        return {"requests": len(self.rows)}
+
+
+@dataclass
+class FakeEP:
+    name: str
+    value: str
+    dist: object
+
+    def load(self):
+        return sys.modules[self.value]
+
+
+def make_host(fail_in=None):
+    mod = types.ModuleType("fake_worker_content")
+
+    @hookimpl
+    def genartifact_worker_capture(worker, settings):
+        worker.settings_seen = settings
+        return Recorder(worker, fail_in)
+
+    mod.genartifact_worker_capture = genartifact_worker_capture
+    sys.modules[mod.__name__] = mod
+    eps = {"genartifact.contents": [FakeEP("fake", mod.__name__, NS(name="fake-dist", version="1"))],
+           "genartifact.targets": [], "genartifact.probes": []}
+    return PluginHost({"contents": ["fake"]}, source=lambda g: eps[g])
+
+
+class FakeRunner:
+    def __init__(self):
+        self.calls = []
+
+    def execute_model(self, so):
+        self.calls.append("exec")
+        return None
+
+    def sample_tokens(self, grammar):
+        self.calls.append("sample")
+        return f"out{len(self.calls)}"
+
+
+def fake_worker(rank=0, tp=1, dp_rank=0, dp=1):
+    return NS(rank=rank, model_runner=FakeRunner(),
+              vllm_config=NS(parallel_config=NS(tensor_parallel_size=tp, data_parallel_rank=dp_rank,
+                                                data_parallel_size=dp)))
+
+
+def new(rid, cid=None):
+    return NS(req_id=rid, sampling_params=NS(extra_args={"fake_id": cid} if cid else None))
+
+
+def step(new_reqs=(), finished=(), sched=None):
+    return NS(scheduled_new_reqs=list(new_reqs), finished_req_ids=set(finished), num_scheduled_tokens=sched or {})
+
+
+CFG = {"contents": ["fake"], "probes": [], "settings": {"fake": {"x": 1}}}
+
+
+def test_step_hook_fires_only_for_flagged_steps_and_fetch_hands_over_once():
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host())
+    cap = rt.captures["fake"]
+    assert w.settings_seen == {"fake": {"x": 1}}  # settings travel in init, not by environment
+    mr = w.model_runner
+    mr.execute_model(step([new("a")], sched={"a": 5}))  # unflagged: no hook
+    mr.sample_tokens(None)
+    assert cap.events == []
+    mr.execute_model(step([new("b", "cid-b")], sched={"a": 1, "b": 7}))
+    out = mr.sample_tokens(None)
+    assert cap.events == [("begin", 1, {"b": "cid-b"}), ("end", 1, out, False)]
+    mr.execute_model(step(finished=["b"], sched={"a": 1}))  # b finished: back to the fast path
+    mr.sample_tokens(None)
+    assert len(cap.events) == 2
+    assert rt.call("fake.stats", [])["live_flagged"] == 0
+    got = rt.call("fake.fetch", ["cid-b"])
+    assert got["found"] == [7] and got["dp_rank"] == 0
+    assert rt.call("fake.fetch", ["cid-b"])["absent"] == "fetched"  # a second fetch names the cause
+    assert rt.call("fake.fetch", ["never"])["absent"] == "unknown"
+
+
+def test_a_failing_step_hook_fails_its_requests_not_the_engine():
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host(fail_in="begin"))
+    w.model_runner.execute_model(step([new("b", "cid-b")], sched={"b": 3}))
+    w.model_runner.sample_tokens(None)  # the engine step itself completes
+    ans = rt.call("fake.fetch", ["cid-b"])
+    assert ans["absent"] == "failed" and "KeyError" in ans["error"] and "begin_step" in ans["error"]
+
+
+def test_only_tp_rank_zero_captures_and_other_ranks_answer_none():
+    w1 = fake_worker(rank=1, tp=2)
+    rt = WorkerRuntime(w1, CFG, host=make_host())
+    assert rt.capturing is False and rt.captures == {}
+    assert w1.model_runner.execute_model.__func__ is FakeRunner.execute_model  # nothing wrapped
+    assert rt.call("fake.fetch", ["x"]) is None
+    a = rt.answer()
+    assert a["enabled"] == {"contents": ["fake"], "probes": []} and a["captures"] == [] and a["tp_rank"] == 1
+
+
+def test_init_rpc_and_reinit_with_another_config_is_refused(monkeypatch):
+    import genartifact.engine.worker_ext as wx
+
+    w = fake_worker()
+    monkeypatch.setattr(wx, "WorkerRuntime", lambda worker, cfg: WorkerRuntime(worker, cfg, host=make_host()))
+    with pytest.raises(RuntimeError, match="not initialised"):
+        _dispatch(w, "fake.stats")
+    ans = _dispatch(w, "init", CFG)
+    assert ans["captures"] == ["fake"] and ans["capturing"] is True
+    assert _dispatch(w, "init", CFG) == ans  # idempotent
+    with pytest.raises(RuntimeError, match="already initialised"):
+        _dispatch(w, "init", {"contents": [], "probes": []})
+    assert _dispatch(w, "batch", "fake.fetch", [["a"], ["b"]]) == [
+        {"absent": "unknown", "dp_rank": 0, "tp_rank": 0, "rank": 0}] * 2
+
+
+class Answers:
+    def __init__(self, answers):
+        self.answers = answers
+        self.data_parallel_size = max(int(a.get("dp_size", 1)) for a in answers if a) if any(answers) else 1
+
+    async def worker_call(self, method, *args):
+        return self.answers
+
+
+def ab(dp, how="unknown", dp_size=2):
+    return {"absent": how, "dp_rank": dp, "tp_rank": 0, "dp_size": dp_size}
+
+
+async def test_fetch_capture_picks_the_serving_engine_and_names_causes():
+    # engine 1 of 2 served the request; rank 1 of each TP pair answers None
+    got = await fetch_capture(Answers([ab(0), None, {"found": "rows", "dp_rank": 1, "tp_rank": 0}, None]),
+                              "fake", "c")
+    assert got == "rows"
+    with pytest.raises(CaptureError, match=r"answers came from data-parallel ranks \[0\] of 2"):
+        await fetch_capture(Answers([ab(0), None]), "fake", "c")
+    with pytest.raises(CaptureError, match="already fetched"):
+        await fetch_capture(Answers([ab(0), ab(1, "fetched")]), "fake", "c")
+    with pytest.raises(CaptureError, match="none of the 2 capturing workers"):
+        await fetch_capture(Answers([ab(0), ab(1)]), "fake", "c")
+    with pytest.raises(CaptureError, match="2 workers"):
+        await fetch_capture(Answers([{"found": 1, "dp_rank": 0}, {"found": 2, "dp_rank": 1}]), "fake", "c")
+    with pytest.raises(CaptureError, match="not installed"):
+        await fetch_capture(Answers([None, None]), "fake", "c")
+
+
+def test_vllm_general_plugin_attaches_the_rpc_method_only():
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    register_vllm_plugin()
+    register_vllm_plugin()  # idempotent
+    assert callable(WorkerBase.genartifact_call)
+    w = WorkerBase.__new__(WorkerBase)
+    with pytest.raises(RuntimeError, match="not initialised"):  # passive until a genartifact engine sends init
+        w.genartifact_call("moe_routes.fetch", "x", 0, 1)
+
+
+async def test_start_fails_clearly_when_a_worker_reports_another_plugin_set():
+    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.errors import EngineStartError
+
+    def ans(dp, tp, contents, captures):
+        return {"enabled": {"contents": contents, "probes": []}, "captures": captures, "capturing": tp == 0,
+                "rank": tp, "dp_rank": dp, "tp_rank": tp, "dp_size": 1}
+
+    class FakeLLM:
+        def __init__(self, answers):
+            self.answers = answers
+
+        async def collective_rpc(self, name, args=()):
+            assert name == "genartifact_call" and args[0] == "init"
+            assert args[1]["contents"] == ["moe_routes"]  # the config travels in the call
+            return self.answers
+
+    eng = VllmEngine(PluginHost({"contents": ["moe_routes"]}), "/m")
+    eng.llm = FakeLLM([ans(0, 0, ["moe_routes"], ["moe_routes"]), ans(0, 1, [], [])])
+    with pytest.raises(EngineStartError, match=r"tensor-parallel rank 1\) enabled .*'contents': \[\]"):
+        await eng._init_workers()
+    eng.llm = FakeLLM([ans(0, 0, ["moe_routes"], ["moe_routes"]), ans(0, 1, ["moe_routes"], [])])
+    assert await eng._init_workers() == {"moe_routes"}
