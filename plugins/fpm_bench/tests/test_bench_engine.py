@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import uuid
@@ -69,26 +68,37 @@ def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "report" / "decode_residuals.png").stat().st_size > 1000
     assert "data:image/png;base64," in (tmp_path / "report" / "report.html").read_text()
-    # live check: generate (capture + store + receipts) with the FPM stream, every pass compared with the model
+    assert (tmp_path / "report" / "prefill.png").stat().st_size > 1000
+    assert (tmp_path / "report" / "decode.png").stat().st_size > 1000
+    assert "decode:b2:c64" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_live_check_on_generate(tmp_path, tiny_model, free_port, synth):
+    """generate (capture + store + receipts) with the FPM stream; every pass is compared with a model (fitted
+    here on a synthetic grid covering the workload's shapes: this checks the plumbing, not the accuracy)."""
+    from genartifact_fpm_bench.artifact import write_once
+    from genartifact_fpm_bench.fit import fit, write_model
+
+    art = tmp_path / "grid.json"
+    write_once(art, synth.artifact(synth.GRID, noise=0.0))
+    model = tmp_path / "model.json"
+    write_model(fit([art]), model)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": " ".join(["river stone"] * (40 + 30 * i)), "max_tokens": 12 + 2 * i})
                                + "\n" for i in range(6)))
     live = tmp_path / "live.json"
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        live_port = sk.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "live", "--model", str(model_path),
-                           "--fit", str(model), "--prompts", str(prompts), "--port-base", str(live_port),
+    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "live", "--model", str(tiny_model),
+                           "--fit", str(model), "--prompts", str(prompts), "--port-base", str(free_port),
                            "--out", str(live)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lv = json.loads(live.read_text())
-    assert lv["receipts"] == {"ready": 6} and lv["stream_gaps"] == 0 and lv["passes_observed"] > 6
+    assert lv["receipts"] == {"ready": 6} and lv["not_ready"] == [] and lv["stream_gaps"] == 0
+    assert lv["contents"] == ["moe_routes", "selected_logprobs"] and lv["passes_observed"] > 6
     s = lv["summary"]
     classes = [s["in_grid"]["prefill"], s["in_grid"]["decode"], s["out_of_grid"]["prefill"],
                s["out_of_grid"]["decode"], s["mixed"]]
     assert sum(c["n"] for c in classes) == len(lv["passes"]) == lv["passes_observed"]
     assert s["in_grid"]["decode"]["n"] > 0 and s["in_grid"]["decode"]["mape_pct"] is not None
+    assert all(p["predicted"] > 0 and p["wall_time"] > 0 for p in lv["passes"])
     assert "in grid, decode" in proc.stdout
-    assert (tmp_path / "report" / "prefill.png").stat().st_size > 1000
-    assert (tmp_path / "report" / "decode.png").stat().st_size > 1000
-    assert "decode:b2:c64" in (tmp_path / "report" / "report.md").read_text()
+    assert len(list((tmp_path / "artifacts").rglob("*.gart"))) == 6  # generate really stored the artifacts

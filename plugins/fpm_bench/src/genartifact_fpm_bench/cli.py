@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--fit", required=True, help="a bench fit model JSON")
     lv.add_argument("--prompts", help="JSONL prompts (default: a seeded mixed workload of 24 requests)")
     lv.add_argument("--max-tokens", type=int, default=32)
+    lv.add_argument("--contents", help="comma list (default: moe_routes,selected_logprobs)")
     lv.add_argument("--port-base", type=int, default=20380)
     lv.add_argument("--out", required=True, help="live-check JSON path (must not exist)")
     rp = sub.add_parser("report", help="PNG plots and a Markdown summary of a rank or merged artifact")
@@ -67,8 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: Any) -> int:
     """Run one ``bench`` subcommand; a refused input (bad artifact, existing output) prints ``error: …`` to
     stderr and returns 2."""
-    import sys
-
     from genartifact_fpm_bench.artifact import MergeError
     from genartifact_fpm_bench.fit import FitError
     from genartifact_fpm_bench.grid import GridError
@@ -129,10 +129,14 @@ def _main(args: Any) -> int:
 
             rows = read_prompts(args.prompts)
         doc = asyncio.run(live_check(model_dir=args.model, step_model=args.fit, prompts=rows,
-                                     max_tokens=args.max_tokens, port_base=args.port_base))
+                                     max_tokens=args.max_tokens, port_base=args.port_base,
+                                     contents=args.contents.split(",") if args.contents else None))
         write_once(args.out, doc)
         print("\n".join(summary_lines(doc)))
         print(f"live check: {args.out} ({doc['passes_observed']} passes, receipts {doc['receipts']})")
+        if doc["not_ready"]:
+            print(f"error: receipts not ready: {doc['not_ready']}", file=sys.stderr)
+            return 1
     else:
         from genartifact_fpm_bench.report import report
 

@@ -32,6 +32,9 @@ from genartifact_fpm_bench.fit import StepModel, phase_of
 from genartifact_fpm_bench.runner import FpmCollector
 
 LIVE_SCHEMA = "genartifact.fpm_bench.live_check"
+#: contents captured by default (the RL captures; contents that need per-request parameters, e.g. top_logprobs'
+#: ``logprobs=k``, only when asked for)
+DEFAULT_CONTENTS = ("moe_routes", "selected_logprobs")
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "signal", "vector", "matrix", "token",
          "expert", "router", "window", "garden", "engine")
 
@@ -84,7 +87,8 @@ async def live_check(*, model_dir: str, step_model: str | Path, prompts: list[di
                      max_tokens: int = 32, port_base: int = 20380, engine_kwargs: dict[str, Any] | None = None,
                      contents: list[str] | None = None, target: str = "managed_fsspec:local",
                      run_id: str | None = None) -> dict[str, Any]:
-    """Run ``generate`` on ``prompts`` (default :func:`mixed_workload`) with the FPM stream on ``port_base``,
+    """Run ``generate`` on ``prompts`` (default :func:`mixed_workload`) capturing ``contents`` (default
+    :data:`DEFAULT_CONTENTS` among the enabled ones) with the FPM stream on ``port_base``,
     collect every pass, and compare with ``step_model`` (a ``bench fit`` JSON). Returns the live-check document
     (schema ``genartifact.fpm_bench.live_check`` v1): receipts' states, stream gaps, per-pass records, summary.
     Raises ``FitError`` for a foreign model file before the engine starts."""
@@ -93,7 +97,8 @@ async def live_check(*, model_dir: str, step_model: str | Path, prompts: list[di
 
     model = StepModel.load(step_model)
     cfg = config_mod.load(None)
-    contents = contents or list(cfg.plugins["contents"])
+    enabled = list(cfg.plugins["contents"])
+    contents = contents or [c for c in DEFAULT_CONTENTS if c in enabled] or enabled
     rows = prompts if prompts is not None else mixed_workload()
     run_id = run_id or f"bench-live-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     os.environ.update(GENARTIFACT_FPM_STREAM="1", GENARTIFACT_FPM_PORT_BASE=str(port_base),
@@ -124,6 +129,7 @@ async def live_check(*, model_dir: str, step_model: str | Path, prompts: list[di
             "contents": contents, "engine_kwargs": {k: v for k, v in kwargs.items() if k != "scheduler_cls"},
             "requests": len(rows), "receipts": {s: sum(r.get("state") == s for r in receipts)
                                                 for s in sorted({r.get("state") for r in receipts})},
+            "not_ready": sorted({str(r.get("error"))[:200] for r in receipts if r.get("state") != "ready"})[:5],
             "passes_observed": len(got), "stream_gaps": collector.gaps, **result}
 
 
