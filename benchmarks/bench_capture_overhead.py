@@ -67,7 +67,8 @@ async def main_async(args) -> None:
 
     host = PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
     root = Path(tempfile.mkdtemp(prefix="ga-bench-"))
-    eng = await VllmEngine(host, args.model, seed=0).start()
+    par = {"tensor_parallel_size": args.tensor_parallel_size}
+    eng = await VllmEngine(host, args.model, seed=0, **par).start()
     ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
     await round_(eng, ids_list, 8, True, root)  # warm-up
     await round_(eng, ids_list, 8, False, root)
@@ -85,7 +86,8 @@ async def main_async(args) -> None:
 
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(Path(args.model).resolve()), dtype="float32",
                                                         enforce_eager=True, max_model_len=2048, seed=0,
-                                                        enable_prefix_caching=False, disable_log_stats=True))
+                                                        enable_prefix_caching=False, disable_log_stats=True,
+                                                        **par))
 
         async def one(ids):
             n = 0
@@ -107,8 +109,8 @@ async def main_async(args) -> None:
             n = sum(await asyncio.gather(*(gated(ids) for ids in ids_list)))
             plain.append(n / (time.perf_counter() - t0))
         llm.shutdown()
-    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
-          f"(best / median tok/s)")
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds, "
+          f"TP={args.tensor_parallel_size} (best / median tok/s)")
     print(f"  capture on           : {max(on):8.1f} / {statistics.median(on):8.1f}")
     print(f"  off (same engine)    : {max(off):8.1f} / {statistics.median(off):8.1f}")
     print(f"  ratio on/off (same engine, best)   = {max(on) / max(off):.3f}  (target >= 0.95)")
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip-plain", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="TP workers per engine (on a 2-core box set VLLM_CPU_OMP_THREADS_BIND='0|1' for 2)")
     ap.add_argument("--contents", default=",".join(CONTENTS))
     ap.add_argument("--off-logprobs", action="store_true",
                     help="'off' requests ask vLLM for the sampled token's logprob too (logprobs=0, flat)")

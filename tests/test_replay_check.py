@@ -102,3 +102,23 @@ def test_wrong_checkpoint_and_unreadable_inputs(tmp_path, capsys):
         rc.run(args(qwen, [f], min_agreement=1.5))
     with pytest.raises(rc.ReplayCheckError, match="checkpoint directory"):
         rc.run(args(tmp_path, [f]))
+
+
+def test_cli_subcommand(tmp_path):
+    """``genartifact replay-check`` through the CLI's plugin-command hook (entry point of genartifact-route-capture)."""
+    import subprocess
+    import sys
+
+    from conftest import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    f = tmp_path / "a.gart"
+    f.write_bytes(oracle_artifact(rc.HFOracle(model), np.arange(5, 30, dtype=np.uint32), p=20))
+    cmd = [sys.executable, "-c", "from genartifact.cli import main; raise SystemExit(main())", "replay-check",
+           "--model", str(model), str(f), "--json", str(tmp_path / "r.json")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "pass" in run.stdout and json.loads((tmp_path / "r.json").read_text())["pass"] is True
+    run = subprocess.run(cmd[:4] + ["--model", str(model), str(tmp_path / "missing.gart")], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 2 and "not found" in run.stdout

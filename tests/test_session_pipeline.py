@@ -528,3 +528,18 @@ async def test_every_delivery_journals_an_outcome(host, tmp_path):
         s.record(Delta([1, 2], [3], lp([3]), finished=True))
         await s.finalize()
     assert [(d["last_state"], d["last_code"]) for d in j.deliveries()] == [("ready", None), ("failed", "object_exists")]
+
+
+def test_retained_bytes_over_budget_fail_the_capture(host, monkeypatch):
+    """The budget backstop: a producer retaining more than admitted fails the capture (capture_invalid) at the
+    delta that crosses it, one byte over is enough."""
+    from genartifact.errors import CaptureError
+
+    s = session(host, spec())
+    s.admit(2, 3)
+    p = s._producers[0]
+    monkeypatch.setattr(p, "retained_bytes", lambda: s.budget - 4 * 3)
+    s.record(Delta([1, 2], [3], lp([3])))  # exactly at the budget (tokens 3 x 4 B + producer)
+    monkeypatch.setattr(p, "retained_bytes", lambda: s.budget - 4 * 4 + 1)
+    with pytest.raises(CaptureError, match="exceed the admitted budget"):
+        s.record(Delta([1, 2], [4], lp([4])))

@@ -222,3 +222,13 @@ async def test_start_fails_clearly_when_a_worker_reports_another_plugin_set():
         await eng._init_workers()
     eng.llm = FakeLLM([ans(0, 0, ["moe_routes"], ["moe_routes"]), ans(0, 1, ["moe_routes"], [])])
     assert await eng._init_workers() == {"moe_routes"}
+
+
+def test_init_config_carries_enabled_plugins_and_content_settings(tmp_path):
+    from genartifact.engine.worker_ext import init_config
+
+    host = PluginHost({"contents": ["moe_routes", "selected_logprobs"]},
+                      content_settings={"moe_routes": {"base_dir": tmp_path, "x": 1}})
+    cfg = init_config(host)
+    assert cfg == {"contents": ["moe_routes", "selected_logprobs"], "probes": [],
+                   "settings": {"moe_routes": {"base_dir": str(tmp_path), "x": 1}}}

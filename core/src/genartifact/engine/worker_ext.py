@@ -136,7 +136,8 @@ class WorkerRuntime:
         if host is None:
             from genartifact.host import PluginHost
 
-            host = PluginHost({"contents": self.config["contents"], "probes": self.config["probes"]})
+            host = PluginHost({"contents": self.config["contents"], "probes": self.config["probes"]},
+                              content_settings=self.config["settings"])
         self.host = host
         self.where = _ranks(worker)
         self.capturing = self.where["tp_rank"] == 0
@@ -340,17 +341,15 @@ def register_vllm_plugin() -> None:
 # ------------------------------------------------------------------------------------------------ driver side
 
 def init_config(host: Any) -> dict[str, Any]:
-    """The worker ``init`` payload for ``host``: enabled contents and probes (config order) and their
-    settings (``host.settings`` when the host keeps per-plugin settings, else empty)."""
+    """The worker ``init`` payload for ``host``: enabled contents and probes (config order) and the enabled
+    contents' settings (``host.content_settings``: config ``[contents.<name>]``), made msgpack-native (values
+    that are not JSON types, e.g. paths, become strings)."""
+    import json
+
     contents = [p.name for p in host.enabled["contents"]]
     probes = [p.name for p in host.enabled["probes"]]
-    getter = getattr(host, "plugin_settings", None)
-    settings: dict[str, Any] = {}
-    if callable(getter):
-        for name in contents + probes:
-            s = getter(name)
-            if s:
-                settings[name] = dict(s)
+    known = getattr(host, "content_settings", None) or {}
+    settings = {n: json.loads(json.dumps(dict(known[n]), default=str)) for n in contents if known.get(n)}
     return {"contents": contents, "probes": probes, "settings": settings}
 
 

@@ -216,8 +216,10 @@ def _load_inputs(refs: Sequence[str], config: str | None) -> list[tuple[str, Any
 
                 with fsspec.open(ref, "rb") as f:
                     out.append((ref, fmt.decode(f.read(fmt.MAX_OBJECT_BYTES + 1))))
-            else:
+            elif ":" in ref:
                 out.append((ref, loaders.fetch_sync(get_target(), ref)))
+            else:
+                out.append((ref, "not found: give a receipts .jsonl, an object file, an fsspec URL or PROFILE:KEY"))
         except GenartifactError as e:
             out.append((ref, str(e)))
         except OSError as e:
@@ -232,7 +234,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory the artifacts came from")
     parser.add_argument("refs", nargs="+", metavar="RECEIPTS_OR_OBJECTS",
                         help="receipts .jsonl files, object files, fsspec URLs or managed_fsspec object ids")
-    parser.add_argument("--config", help="config file (targets used to read receipts/object ids)")
+    try:  # the genartifact CLI already gives every subcommand --config
+        parser.add_argument("--config", help="config file (targets used to read receipts/object ids)")
+    except argparse.ArgumentError:
+        pass
     parser.add_argument("--min-agreement", type=float, default=0.99,
                         help="per layer, fraction of rows whose expert sets agree, near ties excluded (default 0.99)")
     parser.add_argument("--max-logprob-diff", type=float, default=0.05,
@@ -252,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").is_file():
         raise ReplayCheckError(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     inputs = _load_inputs(args.refs, args.config)
-    oracle = HFOracle(args.model)
+    oracle = HFOracle(args.model) if any(not isinstance(a, str) for _, a in inputs) else None
     results, status = [], 0
     for label, art in inputs:
         if isinstance(art, str):
@@ -303,8 +308,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 @hookimpl
 def genartifact_command(name: str, parser: argparse.ArgumentParser) -> Any:
-    """CLI command plugin hook: ``replay-check``."""
-    if name != COMMAND:
+    """CLI command plugin hook: ``replay-check`` (the host may pass the normalized ``replay_check``)."""
+    if name.replace("_", "-") != COMMAND:
         return None
     add_arguments(parser)
     return run
