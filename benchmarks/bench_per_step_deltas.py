@@ -2,6 +2,8 @@
 step (what a content with ``per_step_deltas = True`` causes, e.g. the template's ``token_timestamps``) ÷ tokens/s
 with one final delta per request (vLLM ``FINAL_ONLY``, the job's default), both with moe_routes +
 selected_logprobs captured and delivered to file://. Same engine, rounds alternate to cancel drift; best round.
+Also prints the driver process's CPU time per token (the per-step cost is front-end output processing; CPU time
+does not depend on other load on the machine).
 
     .venv/bin/python benchmarks/bench_per_step_deltas.py --model .models/tiny-qwen3-moe
 """
@@ -32,11 +34,12 @@ async def round_(engine, ids_list, max_tokens, per_step: bool, root: Path, infli
             return await engine.run(ids, {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True},
                                     spec, settings, stream=per_step)
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = await asyncio.gather(*(one(ids) for ids in ids_list))
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert all(r.receipt["state"] == "ready" for r in res), [r.receipt for r in res]
-    return sum(len(r.completion_token_ids) for r in res) / dt
+    toks = sum(len(r.completion_token_ids) for r in res)
+    return toks / dt, 1000 * cpu / toks * 1000  # tokens/s (wall), driver-process CPU µs per token
 
 
 async def main_async(args) -> None:
@@ -54,9 +57,11 @@ async def main_async(args) -> None:
         final.append(await round_(eng, ids_list, args.max_tokens, False, root, args.inflight))
         step.append(await round_(eng, ids_list, args.max_tokens, True, root, args.inflight))
     eng.shutdown()
-    print(f"final-only tokens/s: {[round(x) for x in final]}")
-    print(f"per-step   tokens/s: {[round(x) for x in step]}")
-    print(f"per-step / final-only (best rounds): {max(step) / max(final):.3f}")
+    print(f"final-only tokens/s: {[round(x[0]) for x in final]}; driver CPU us/token {[round(x[1]) for x in final]}")
+    print(f"per-step   tokens/s: {[round(x[0]) for x in step]}; driver CPU us/token {[round(x[1]) for x in step]}")
+    print(f"per-step / final-only tokens/s (best rounds): {max(x[0] for x in step) / max(x[0] for x in final):.3f}")
+    print(f"per-step / final-only driver CPU per token (best rounds): "
+          f"{min(x[1] for x in step) / min(x[1] for x in final):.3f}")
 
 
 def main() -> None:
