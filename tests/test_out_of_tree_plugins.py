@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -228,11 +229,14 @@ def site(tmp_path_factory) -> Path:
     sqlite = _write(base / "sqlite", {"pyproject.toml": SQLITE_PYPROJECT, "genartifact_sqlite_target.py": SQLITE_SRC,
                                       "tests/test_sqlite.py": SQLITE_TESTS})
     faulty = _write(base / "faulty", {"pyproject.toml": FAULTY_PYPROJECT, "genartifact_faulty_content.py": FAULTY_SRC})
+    template = base / "plugin-template"  # a copy: building leaves build/ and *.egg-info next to the sources
+    shutil.copytree(ROOT / "examples" / "plugin-template", template,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache"))
     site = base / "site"
-    for src in (ROOT / "examples" / "plugin-template", sqlite, faulty):
+    for src in (template, sqlite, faulty):
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--no-index", "--target", str(site), str(src)], check=True, capture_output=True, timeout=300)
-    site.joinpath(".sources").write_text(str(sqlite))
+    site.joinpath(".sources").write_text(json.dumps([str(template), str(sqlite)]))
     return site
 
 
@@ -256,7 +260,7 @@ def test_installed_distributions_are_found_and_checked(site, tmp_path):
 
 def test_template_and_sqlite_suites_pass_against_the_kit(site):
     """The plugins' own test suites (the kit's conformance classes), run as their authors would."""
-    for folder in (ROOT / "examples" / "plugin-template", Path(site.joinpath(".sources").read_text())):
+    for folder in map(Path, json.loads(site.joinpath(".sources").read_text())):
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=folder,
                            env=_env(site), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:]
@@ -298,7 +302,8 @@ def test_generate_verify_inspect_with_out_of_tree_plugins(site, qwen_model, tmp_
     assert s["contents"] == ["moe_routes", "selected_logprobs", "token_timestamps"]
     ts = s["token_timestamps"]
     assert ts["count"] == s["completion_token_count"] == receipts[0]["completion_tokens"]
-    assert ts["first_token_ms"] > 0 and ts["last_token_ms"] >= ts["first_token_ms"]
+    assert ts["first_token_ms"] > 0 and ts["last_token_ms"] > ts["first_token_ms"]
+    assert ts["mean_inter_token_ms"] > 0  # per-step deltas: tokens arrived at distinct times (final-only gives 0)
     assert s["moe_routes"]["rows"] == s["prompt_token_count"] + s["completion_token_count"] - 1
     text = _cli(site, tmp_path, "inspect", "sqlite:runs/oot/00002", "--config", "config.toml")
     assert "token_timestamps: " in text.stdout and "tokens, first at" in text.stdout

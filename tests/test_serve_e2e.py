@@ -33,7 +33,7 @@ def server(qwen_model, tmp_path_factory):
     cfg = root / "genartifact.toml"
     cfg.write_text(f"""
 [plugins]
-contents = ["moe_routes", "selected_logprobs"]
+contents = ["moe_routes", "selected_logprobs", "top_logprobs"]
 targets = ["managed_fsspec"]
 [targets.managed_fsspec.profiles.local]
 url = "{root}/store"
@@ -123,6 +123,31 @@ def test_openai_completions_and_chat(server):
     assert "generation_artifact" not in (plain.model_extra or {})
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert client.models.list().data[0].model_extra["max_model_len"] == 2000  # "2k", parsed as vllm serve does
+
+
+def test_openai_logprobs_fields_map_to_top_logprobs(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server['base']}/v1", api_key="none")
+    want = ["selected_logprobs", "top_logprobs"]
+    r = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=6, logprobs=3,
+                                  extra_body={"generation_artifact": artifact(contents=want)})
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       logprobs=True, top_logprobs=2,
+                                       extra_body={"generation_artifact": artifact(contents=want)})
+    for resp, k in ((r, 3), (c, 2)):
+        art = read(server, resp.model_extra["generation_artifact"])
+        ids, lps = art.content("top_logprobs")
+        n = art.manifest["completion_token_count"]
+        assert art.manifest["sections"]["top_logprobs"]["k"] == k and ids.shape == lps.shape == (n, k)
+        sel, comp = art.selected_logprobs(), art.completion_token_ids
+        for i in range(n):  # the sampled token is either one of the top k (same value) or below all of them
+            row = ids[i].tolist()
+            assert sel[i] == lps[i][row.index(comp[i])] if comp[i] in row else sel[i] <= lps[i][-1]
+    # without a top_logprobs artifact the fields are still refused before any engine work
+    bad = httpx.post(f"{server['base']}/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 2,
+                                                              "generation_artifact": artifact()}, timeout=30)
+    assert bad.status_code == 400 and "not supported" in bad.text
 
 
 def test_generate_token_ids_and_logprobs_align_with_artifact(server):

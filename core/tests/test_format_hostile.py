@@ -16,6 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import zstandard
 from genartifact import format as fmt
 from genartifact.errors import ArtifactFormatError
 from genartifact.testing import hostile
@@ -144,3 +145,86 @@ def test_every_mutation_kind_is_exercised_and_mostly_rejected():
             except ArtifactFormatError:
                 rejected += 1
         assert rejected >= 10, kind
+
+
+# ---- tests added for mutation survivors (mutation/run.py): each pins one rule of the reader/encoder ----
+
+def test_compress_bound_matches_zstd_h():
+    """``ZSTD_COMPRESSBOUND(n) = n + (n >> 8) + ((128 KiB - n) >> 11 if n < 128 KiB)`` (zstd.h), plus an 18-byte
+    frame header and a 4-byte checksum."""
+    for n, want in ((0, 64 + 22), (1000, 1000 + 3 + 63 + 22), (128 << 10, (128 << 10) + 512 + 22),
+                    (64 << 20, (64 << 20) + (1 << 18) + 22)):
+        assert fmt.zstd_compress_bound(n) == want, n
+
+
+def _big_input(p=300, c=211, routers=3, k=2):
+    rng = np.random.default_rng(5)
+    rows = p + c - 1
+    return fmt.ArtifactInput(
+        token_ids=rng.integers(0, 50000, p + c).astype(np.uint32), prompt_token_count=p,
+        contents=["moe_routes", "selected_logprobs"],
+        sections={"moe_routes": {"token_start": 0, "router_ids": list(range(routers)), "expert_counts": [8] * routers,
+                                 "top_k": k, "layout": "router_major", "source": "test"},
+                  "selected_logprobs": {"token_start": p}},
+        tensors=[fmt.TensorPart("moe_routes.expert_ids", rng.integers(0, 8, (routers, rows, k)).astype(np.uint8)),
+                 fmt.TensorPart("selected_logprobs.logprobs", -rng.random(c).astype(np.float32))],
+        header={"engine": {"name": "t", "version": "0"}})
+
+
+def test_layout_with_offsets_and_sizes_sharing_bits_round_trips_with_zero_padding():
+    inp = _big_input()
+    enc = fmt.encode(inp)
+    art = fmt.decode(enc.data)
+    _pre, body, manifest, _payload = hostile.split(enc.data)
+    refs = manifest["tensors"]
+    assert any(r["offset"] & r["byte_count"] for r in refs)  # the layout this test is about
+    start = fmt.align_up(4 + len(fmt.canonical_json(manifest)))
+    pos = 0
+    for r in refs:
+        assert not any(body[start + pos : start + r["offset"]])  # padding between tensors is zero
+        pos = r["offset"] + r["byte_count"]
+    assert np.array_equal(art.token_ids, inp.token_ids)
+
+
+def test_big_endian_inputs_encode_to_the_same_bytes():
+    inp = _big_input()
+    swapped = fmt.ArtifactInput(
+        token_ids=inp.token_ids.astype(">u4"), prompt_token_count=inp.prompt_token_count, contents=inp.contents,
+        sections=inp.sections, header=inp.header,
+        tensors=[fmt.TensorPart(t.name, t.array.astype(t.array.dtype.newbyteorder(">"))) for t in inp.tensors])
+    assert fmt.encode(swapped).data == fmt.encode(inp).data
+
+
+def test_frame_with_checksum_is_accepted_and_truncated_checksum_refused():
+    good = fmt.encode(_big_input()).data
+    _pre, body, _m, _p = hostile.split(good)
+    frame = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=True).compress(body)
+    fmt.decode(hostile.prelude() + frame)
+    with pytest.raises(ArtifactFormatError, match="truncated"):
+        fmt.decode(hostile.prelude() + frame[:-2])
+
+
+def _remanifest(obj, mutate):
+    _pre, _body, manifest, payload = hostile.split(obj)
+    mutate(manifest)
+    return hostile.repack(fmt.canonical_json(manifest), payload)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda m: m["tensors"].reverse(),                                          # token_ids not first
+    lambda m: m["tensors"].__setitem__(slice(1, 3), m["tensors"][2:0:-1]),   # later names unsorted
+    lambda m: m["tensors"].__setitem__(2, dict(m["tensors"][1])),            # duplicate name
+], ids=["token-ids-not-first", "unsorted", "duplicate"])
+def test_tensor_order_rules_each_enforced(mutate):
+    with pytest.raises(ArtifactFormatError):
+        fmt.decode(_remanifest(SEEDS[0], mutate))
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda m: m["sections"].pop("selected_logprobs"),
+    lambda m: m["sections"].__setitem__("zz_extra", {}),
+    lambda m: m["sections"].__setitem__("a_extra", {}),
+], ids=["missing-section", "extra-section-after", "extra-section-before"])
+def test_sections_must_match_contents_exactly(mutate):
+    with pytest.raises(ArtifactFormatError):
+        fmt.decode(_remanifest(SEEDS[0], mutate))

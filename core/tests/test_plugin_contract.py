@@ -4,6 +4,7 @@ isolation (a plugin's exception or bad return value is that request's ``internal
 from __future__ import annotations
 
 import asyncio
+import textwrap
 import types
 
 import numpy as np
@@ -330,3 +331,64 @@ def test_other_requests_run_on_after_a_fault_in_one():
 
     a, b = asyncio.run(both())
     assert sorted([a.receipt["state"], b.receipt["state"]]) == ["failed", "ready"]
+
+
+# ------------------------------------------------------------------------------------------ settings, templating
+def test_content_settings_and_base_dir_reach_every_plugin(tmp_path):
+    from genartifact.config import parse
+
+    seen = {}
+
+    class P:
+        @hookimpl
+        def genartifact_content_producer(self, name, model, settings):
+            seen["content"] = dict(settings)
+            return Echo(name) if name == "echo" else None
+
+    cfg = parse('[plugins]\ncontents = ["echo"]\n[contents.echo]\nwindow = 4\n[targets.sqlite]\npath = "o.db"\n',
+                source="t", base_dir=tmp_path)
+    host = cfg.host(objects={"contents": {"echo": P()}}, source=lambda group: [])
+    host.hooks.content_producer(name="echo", model=None, settings=host.content_settings["echo"])
+    assert seen["content"] == {"window": 4, "base_dir": str(tmp_path)}
+    assert cfg.target_settings()["sqlite"] == {"path": "o.db", "base_dir": str(tmp_path)}  # every target gets it
+    from genartifact.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[contents.echo\].base_dir is reserved"):
+        parse('[contents.echo]\nbase_dir = "x"\n', source="t", base_dir=tmp_path)
+
+
+def test_templating_applies_to_every_string_field_of_any_target_kind():
+    from genartifact.engine.job import target_for
+    from genartifact.errors import RequestSpecError
+
+    t = target_for('{"kind": "sqlite", "name": "runs/{run_id}/{index}", "note": "{{literal}}"}', "r7", 12)
+    assert t == {"kind": "sqlite", "name": "runs/r7/00012", "note": "{literal}"}
+    with pytest.raises(RequestSpecError, match="name: only the placeholders"):
+        target_for('{"kind": "sqlite", "name": "{nope}"}', "r", 0)
+    host = make_host()
+    assert target_for("memory:runs", "r1", 3, host) == {"kind": "memory", "object_key": "runs/r1/00003.gart"}
+    with pytest.raises(RequestSpecError, match="has no KIND:VALUE shorthand"):
+        target_for("memory:x", "r", 0, None)
+
+
+def test_decode_of_builtin_contents_needs_neither_vllm_nor_torch(tmp_path):
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from genartifact import format as fmt
+        inp = fmt.ArtifactInput(np.arange(6, dtype=np.uint32), 4, ["selected_logprobs", "moe_routes"],
+            {"selected_logprobs": {"token_start": 4},
+             "moe_routes": {"token_start": 0, "router_ids": [0], "expert_counts": [8], "top_k": 1,
+                            "layout": "router_major"}},
+            [fmt.TensorPart("selected_logprobs.logprobs", np.array([-1.0, -2.0], np.float32)),
+             fmt.TensorPart("moe_routes.expert_ids", np.zeros((1, 5, 1), np.uint8))])
+        art = fmt.decode(fmt.encode(inp).data)
+        assert art.summary()["selected_logprobs"]["count"] == 2 and art.content("moe_routes").shape == (5, 1, 1)
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "torch")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

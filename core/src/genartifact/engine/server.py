@@ -140,12 +140,25 @@ class Server:
         if body.get("seed") is not None:
             s["seed"] = _num(body, "seed", 0, 0, 2**63 - 1, integer=True)
         lp = body.get("logprobs", logprobs_default)
-        if chat and lp not in (None, False):
-            raise RequestSpecError("logprobs on /v1/chat/completions is not supported yet; use /generate for "
-                                   "per-token logprobs (or selected_logprobs artifacts)")
-        if not chat and logprobs_default is None and lp is not None:
+        # the OpenAI fields (completions ``logprobs: k``; chat ``logprobs: true`` + ``top_logprobs: k``) are
+        # served into a ``top_logprobs`` artifact when the request asks for that content (values in the artifact,
+        # not in the response body); otherwise they are refused as before
+        ext = body.get(EXT)
+        into_artifact = isinstance(ext, Mapping) and isinstance(ext.get("contents"), list) \
+            and "top_logprobs" in ext["contents"]
+        if chat and (lp not in (None, False) or body.get("top_logprobs") is not None):
+            if not into_artifact:
+                raise RequestSpecError("logprobs on /v1/chat/completions is not supported yet; use /generate for "
+                                       "per-token logprobs (or selected_logprobs/top_logprobs artifacts)")
+            if lp is not True:
+                raise RequestSpecError(f"logprobs={lp!r} invalid with top_logprobs; allowed: true")
+            lp = _num(body, "top_logprobs", None, 1, MAX_LOGPROBS, integer=True) \
+                if body.get("top_logprobs") is not None else None
+            if lp is None:
+                raise RequestSpecError(f"top_logprobs must be an integer 1..{MAX_LOGPROBS} for a top_logprobs artifact")
+        if not chat and logprobs_default is None and lp is not None and not into_artifact:
             raise RequestSpecError("logprobs on /v1/completions is not supported yet; use /generate for per-token "
-                                   "logprobs (or selected_logprobs artifacts)")
+                                   "logprobs (or selected_logprobs/top_logprobs artifacts)")
         if lp is not None and lp is not False:
             s["logprobs"] = _num({"logprobs": lp}, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
         if body.get("ignore_eos") is not None:  # vLLM's extension parameter of the same name

@@ -28,7 +28,7 @@ import copy
 import hashlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -191,9 +191,12 @@ class ContentConformance:
     depend on the token counts)."""
 
     content: str = ""
+    #: the request's sampling parameters (e.g. ``{"temperature": 1.0, "logprobs": 5}`` for a top-k content)
+    sampling: Mapping[str, Any] = {"temperature": 1.0}
     prompt: Sequence[int] = (3, 1, 4, 1, 5)
     completion: Sequence[int] = (9, 2, 6)
-    logprobs: Sequence[float] | None = None
+    #: per completion token the sampled token's logprob, or ``(position, token) -> {token_id: logprob}``
+    logprobs: Sequence[float] | Callable[[int, int], Mapping[int, float]] | None = None
     changes_sampling: bool = False
     aligned_to_tokens: bool = True
     per_step: bool = True
@@ -215,9 +218,13 @@ class ContentConformance:
         from genartifact.testing import run_session
 
         p, c = list(prompt or self.prompt), list(completion or self.completion)
-        lp = list(self.logprobs)[: len(c)] if self.logprobs is not None else None
         return run_session(self.make_host(), [self.content], p, c, model=self.model(), engine=self.engine(p, c),
-                           logprobs=lp, per_step=self.per_step)
+                           logprobs=self._logprobs(len(c)), per_step=self.per_step, sampling=dict(self.sampling))
+
+    def _logprobs(self, n: int) -> Any:
+        if self.logprobs is None or callable(self.logprobs):
+            return self.logprobs
+        return list(self.logprobs)[:n]
 
     # tests --------------------------------------------------------------------------------------------
     def test_strict_decode_round_trip(self) -> None:
@@ -246,10 +253,9 @@ class ContentConformance:
         spec = {"format": "generation_artifact_v1", "contents": [self.content], "codec": "zstd",
                 "delivery": {"mode": "object_store", "target": {"kind": "memory", "object_key": "k"}}}
         s = ArtifactSession.for_request(host, parse_request(spec), self.model(), {"memory": {}})
-        s.admit(len(self.prompt), len(self.completion), sampling={"temperature": 1.0})
-        s.sampling_overrides({"temperature": 1.0})
-        lp = list(self.logprobs)[: len(self.completion)] if self.logprobs is not None else None
-        for d in deltas(self.prompt, self.completion, per_step=True, logprobs=lp):
+        s.admit(len(self.prompt), len(self.completion), sampling=dict(self.sampling))
+        s.sampling_overrides(dict(self.sampling))
+        for d in deltas(self.prompt, self.completion, per_step=True, logprobs=self._logprobs(len(self.completion))):
             s.record(d)
             for p in s._producers:
                 assert p.retained_bytes() <= p.admitted
@@ -289,8 +295,8 @@ class ContentConformance:
         if self.changes_sampling:
             pytest.skip("content declares that it changes sampling")
         res = self.session()
-        changed = {k for k in res.sampling if k != "extra_args"} ^ {"temperature"}
-        assert not changed and res.sampling["temperature"] == 1.0, f"sampling changed: {res.sampling}"
+        after = {k: v for k, v in res.sampling.items() if k != "extra_args"}
+        assert after == dict(self.sampling), f"sampling changed: {dict(self.sampling)} -> {after}"
 
 
 __all__ = ["ContentConformance", "TargetConformance"]

@@ -1,0 +1,78 @@
+"""Cost of per-step deltas in the batch job: generation tokens/s when every request streams one delta per engine
+step (what a content with ``per_step_deltas = True`` causes, e.g. the template's ``token_timestamps``) ÷ tokens/s
+with one final delta per request (vLLM ``FINAL_ONLY``, the job's default), both with moe_routes +
+selected_logprobs captured and delivered to file://. Same engine, rounds alternate to cancel drift; best round.
+Also prints the driver process's CPU time per token (the per-step cost is front-end output processing; CPU time
+does not depend on other load on the machine).
+
+    .venv/bin/python benchmarks/bench_per_step_deltas.py --model .models/tiny-qwen3-moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.",
+           "Once upon a time, in a small village near the mountains, there lived an old woman who kept bees.",
+           "Numbers such as 1, 2, 3, 10, 42, 100 and 2024 appear in many sentences."]
+
+
+async def round_(engine, ids_list, max_tokens, per_step: bool, root: Path, inflight: int) -> float:
+    settings = {"managed_fsspec": {"profiles": {"b": {"url": f"file://{root}", "allowed_prefixes": ["runs/"]}}}}
+    gate = asyncio.Semaphore(inflight)
+
+    async def one(ids):
+        spec = {"format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs"],
+                "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "b",
+                                                                "object_key": f"runs/{uuid.uuid4().hex}"}}}
+        async with gate:
+            return await engine.run(ids, {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True},
+                                    spec, settings, stream=per_step)
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = await asyncio.gather(*(one(ids) for ids in ids_list))
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert all(r.receipt["state"] == "ready" for r in res), [r.receipt for r in res]
+    toks = sum(len(r.completion_token_ids) for r in res)
+    return toks / dt, 1000 * cpu / toks * 1000  # tokens/s (wall), driver-process CPU µs per token
+
+
+async def main_async(args) -> None:
+    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.host import PluginHost
+
+    host = PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
+    root = Path(tempfile.mkdtemp(prefix="ga-bench-steps-"))
+    eng = await VllmEngine(host, args.model, seed=0).start()
+    ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
+    for mode in (False, True):  # warm-up
+        await round_(eng, ids_list, 8, mode, root, args.inflight)
+    final, step = [], []
+    for _ in range(args.rounds):
+        final.append(await round_(eng, ids_list, args.max_tokens, False, root, args.inflight))
+        step.append(await round_(eng, ids_list, args.max_tokens, True, root, args.inflight))
+    eng.shutdown()
+    print(f"final-only tokens/s: {[round(x[0]) for x in final]}; driver CPU us/token {[round(x[1]) for x in final]}")
+    print(f"per-step   tokens/s: {[round(x[0]) for x in step]}; driver CPU us/token {[round(x[1]) for x in step]}")
+    print(f"per-step / final-only tokens/s (best rounds): {max(x[0] for x in step) / max(x[0] for x in final):.3f}")
+    print(f"per-step / final-only driver CPU per token (best rounds): "
+          f"{min(x[1] for x in step) / min(x[1] for x in final):.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=".models/tiny-qwen3-moe")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--inflight", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    asyncio.run(main_async(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
