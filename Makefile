@@ -7,7 +7,7 @@ MODEL  ?= .models/tiny-qwen3-moe
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: demo test lint bench mutation fuzz clean
+.PHONY: demo test lint bench bench-demo mutation fuzz clean
 
 $(STAMP): requirements-dev.txt core/pyproject.toml plugins/*/pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,6 +36,21 @@ bench: $(STAMP) $(MODEL)/model.safetensors
 	$(PY) benchmarks/bench_encode.py
 	$(PY) benchmarks/bench_compression.py --model $(MODEL)
 	$(PY) benchmarks/bench_capture_overhead.py --model $(MODEL)
+
+# FPM self-benchmark end to end: two data-parallel ranks (one engine each, pinned to its own core when there
+# are two) -> merge -> fit (step-time model, leave-one-point-out error) -> report (report.html). A few minutes: mostly the two engine starts.
+BENCH_PORT ?= 20380
+bench-demo: $(STAMP) $(MODEL)/model.safetensors
+	$(eval OUT := bench/demo-$(shell date +%Y%m%dT%H%M%S))
+	@set -e; pin() { [ "$$(nproc)" -ge 2 ] && echo "VLLM_CPU_OMP_THREADS_BIND=$$1" || true; }; \
+	env $$(pin 0) $(GA) bench run --model $(MODEL) --out $(OUT) --dp-rank 0 --dp-size 2 --run-id $(notdir $(OUT)) \
+	    --max-points 12 --port-base $(BENCH_PORT) & r0=$$!; \
+	env $$(pin 1) $(GA) bench run --model $(MODEL) --out $(OUT) --dp-rank 1 --dp-size 2 --run-id $(notdir $(OUT)) \
+	    --max-points 12 --port-base $(BENCH_PORT) & r1=$$!; \
+	wait $$r0; wait $$r1
+	$(GA) bench merge $(OUT)/fpm_rank0.json $(OUT)/fpm_rank1.json --out $(OUT)/merged.json
+	$(GA) bench fit $(OUT)/merged.json --out $(OUT)/model.json
+	$(GA) bench report $(OUT)/merged.json --model $(OUT)/model.json --out $(OUT)/report
 
 # mutation testing (cosmic-ray) of the safety-critical modules; SAMPLE=0 runs every mutant (hours)
 SAMPLE ?= 80

@@ -543,3 +543,24 @@ def test_retained_bytes_over_budget_fail_the_capture(host, monkeypatch):
     monkeypatch.setattr(p, "retained_bytes", lambda: s.budget - 4 * 4 + 1)
     with pytest.raises(CaptureError, match="exceed the admitted budget"):
         s.record(Delta([1, 2], [4], lp([4])))
+
+
+def test_documented_manifest_base_and_zero_prompt(host):
+    """docs/receipts.md's constants, not the module's: 8192 bytes of manifest base; a prompt of 0 tokens and
+    max_tokens 1 are the smallest admissible request."""
+    from genartifact import format as fmt
+
+    s = session(host, spec(["selected_logprobs"]))
+    s.admit(0, 1)
+    assert s.budget == 8192 + len(fmt.canonical_json(s._header)) + 64 * 3 + 4 * 1 + (4 * 1 + 128)
+
+
+async def test_aclose_discards_unfetched_worker_rows_and_exposes_completion(host):
+    s = session(host, spec(["moe_routes"]))
+    s.admit(3, 2)
+    s.sampling_overrides({})  # the worker path tags the request with its capture id here
+    s.record(Delta([1, 2, 3], [4, 5], None))
+    assert s.completion_token_ids == [4, 5]
+    eng = FakeEngine(None)
+    await s.aclose(eng)  # the request ended without finalize (cancelled): its worker rows must be dropped
+    assert [m for m, _ in eng.calls] == ["moe_routes.discard"]

@@ -232,3 +232,23 @@ def test_init_config_carries_enabled_plugins_and_content_settings(tmp_path):
     cfg = init_config(host)
     assert cfg == {"contents": ["moe_routes", "selected_logprobs"], "probes": [],
                    "settings": {"moe_routes": {"base_dir": str(tmp_path), "x": 1}}}
+
+
+async def test_worker_init_failure_is_a_start_error_and_a_missing_method_turns_capture_off():
+    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.errors import EngineStartError
+
+    class FakeLLM:
+        def __init__(self, msg):
+            self.msg = msg
+
+        async def collective_rpc(self, name, args=()):
+            raise RuntimeError(self.msg)
+
+    eng = VllmEngine(PluginHost({"contents": ["moe_routes"]}), "/m")
+    eng.llm = FakeLLM("Call to collective_rpc method failed: UnknownPluginError: unknown content 'moe_routes' "
+                      "(while running genartifact_call)")
+    with pytest.raises(EngineStartError, match="worker init failed: .*UnknownPluginError"):
+        await eng._init_workers()
+    eng.llm = FakeLLM("AttributeError: 'CPUWorker' object has no attribute 'genartifact_call'")
+    assert await eng._init_workers() == set() and eng.workers == []

@@ -96,3 +96,16 @@ def test_bench_errors_are_genartifact_errors():
     from genartifact_fpm_bench.grid import GridError
 
     assert issubclass(MergeError, GenartifactError) and issubclass(GridError, GenartifactError)
+
+
+def test_duplicate_plugin_names_are_listed_and_refused(tmp_path):
+    make_dist(tmp_path, "rogue-routes", "rogue_routes", "", {"genartifact.contents": {"moe_routes": "rogue_routes"}})
+    r = cli(tmp_path, "plugins")
+    assert r.returncode == 0
+    problems = [x for x in r.stdout.splitlines() if x.startswith("problem:") and "moe_routes" in x]
+    assert problems and all("rogue-routes" in x and "genartifact-route-capture" in x and "uninstall one" in x
+                            for x in problems)
+    assert cli(tmp_path, "plugins", "--check").returncode == 1
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    r = cli(tmp_path, "generate", "--model", str(tmp_path), "--prompts", "p.jsonl")
+    assert r.returncode == 2 and r.stderr.startswith("error: content 'moe_routes' is provided by two distributions")

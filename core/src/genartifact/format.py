@@ -399,8 +399,17 @@ def decode(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int | Non
                     readers=dict(readers or {}))
 
 
-#: objects at least this large (bytes) are hashed in a helper thread during decompression; smaller ones inline
-PARALLEL_HASH_BYTES = 1 << 20
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: objects at least this large (bytes) are hashed in a helper thread during decompression; smaller ones inline.
+#: Only with more than two usable CPUs: on a 2-core box shared with an engine the helper thread finds no free
+#: core and the hand-off costs more than it saves (measured, ``benchmarks/bench_decode.py``).
+PARALLEL_HASH_BYTES = 1 << 20 if _usable_cpus() > 2 else 1 << 62
 _HASH_POOL: Any = None
 _HASH_POOL_LOCK = threading.Lock()
 

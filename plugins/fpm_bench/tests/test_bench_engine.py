@@ -13,7 +13,7 @@ pytestmark = pytest.mark.engine
 
 
 def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
-    model, base = tiny_model, free_port
+    model_path, base = tiny_model, free_port
     points = tmp_path / "points.json"
     points.write_text(json.dumps({"points": [{"phase": "prefill", "batch": 2, "tokens": 128},
                                              {"phase": "prefill", "batch": 1, "tokens": 64, "kv": 128},
@@ -21,7 +21,7 @@ def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
                                              # 8 × 511 prompt tokens need >= 4 admission passes of 1024 tokens
                                              {"phase": "decode", "batch": 8, "context": 512}]}))
     run_id = uuid.uuid4().hex
-    procs = [subprocess.Popen([sys.executable, "-m", "genartifact.cli", "bench", "run", "--model", str(model),
+    procs = [subprocess.Popen([sys.executable, "-m", "genartifact.cli", "bench", "run", "--model", str(model_path),
                                "--points", str(points), "--out", str(tmp_path), "--dp-rank", str(r), "--dp-size", "2",
                                "--run-id", run_id, "--port-base", str(base), "--repeats", "2"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
@@ -56,9 +56,49 @@ def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
     m = json.loads(merged.read_text())
     assert m["dp"]["source_ranks"] == [0, 1] and len(m["points"]) == 8
     assert (tmp_path / m["worker_probe_path"]).exists()
-    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "report", str(merged), "--out",
-                           str(tmp_path / "report")], capture_output=True, text=True)
+    model = tmp_path / "model.json"
+    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "fit", str(merged), "--out", str(model)],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    fitted = json.loads(model.read_text())
+    assert fitted["source"]["grid_digest"] == m["grid_digest"] and fitted["source"]["engine_identity"]
+    assert set(fitted["phases"]) == {"prefill", "decode"}
+    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "report", str(merged), "--model", str(model),
+                           "--out", str(tmp_path / "report")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "report" / "decode_residuals.png").stat().st_size > 1000
+    assert "data:image/png;base64," in (tmp_path / "report" / "report.html").read_text()
     assert (tmp_path / "report" / "prefill.png").stat().st_size > 1000
     assert (tmp_path / "report" / "decode.png").stat().st_size > 1000
     assert "decode:b2:c64" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_live_check_on_generate(tmp_path, tiny_model, free_port, synth):
+    """generate (capture + store + receipts) with the FPM stream; every pass is compared with a model (fitted
+    here on a synthetic grid covering the workload's shapes: this checks the plumbing, not the accuracy)."""
+    from genartifact_fpm_bench.artifact import write_once
+    from genartifact_fpm_bench.fit import fit, write_model
+
+    art = tmp_path / "grid.json"
+    write_once(art, synth.artifact(synth.GRID, noise=0.0))
+    model = tmp_path / "model.json"
+    write_model(fit([art]), model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(["river stone"] * (40 + 30 * i)), "max_tokens": 12 + 2 * i})
+                               + "\n" for i in range(6)))
+    live = tmp_path / "live.json"
+    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "live", "--model", str(tiny_model),
+                           "--fit", str(model), "--prompts", str(prompts), "--port-base", str(free_port),
+                           "--out", str(live)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lv = json.loads(live.read_text())
+    assert lv["receipts"] == {"ready": 6} and lv["not_ready"] == [] and lv["stream_gaps"] == 0
+    assert lv["contents"] == ["moe_routes", "selected_logprobs"] and lv["passes_observed"] > 6
+    s = lv["summary"]
+    classes = [s["in_grid"]["prefill"], s["in_grid"]["decode"], s["out_of_grid"]["prefill"],
+               s["out_of_grid"]["decode"], s["mixed"]]
+    assert sum(c["n"] for c in classes) == len(lv["passes"]) == lv["passes_observed"]
+    assert s["in_grid"]["decode"]["n"] > 0 and s["in_grid"]["decode"]["mape_pct"] is not None
+    assert all(p["predicted"] > 0 and p["wall_time"] > 0 for p in lv["passes"])
+    assert "in grid, decode" in proc.stdout
+    assert len(list((tmp_path / "artifacts").rglob("*.gart"))) == 6  # generate really stored the artifacts

@@ -139,3 +139,42 @@ def test_bench_fit_cli(tmp_path, synth):
     proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "fit", str(train), "--out", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "exists" in proc.stderr
+
+
+def test_same_run_holdout_points_are_never_trained_on(tmp_path, synth):
+    both = write(tmp_path, "both.json", synth.artifact(synth.GRID + synth.OFF, noise=0.005))
+    pts = tmp_path / "off_points.json"
+    pts.write_text(json.dumps({"points": synth.OFF}))
+    out = tmp_path / "model.json"
+    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "fit", str(both), "--holdout-points",
+                           str(pts), "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    off_keys = {synth.key({"tokens": 0, "kv": 0, "context": 0, **p}) for p in synth.OFF}
+    assert set(doc["source"]["holdout_keys"]) == off_keys
+    for m in doc["phases"].values():
+        assert not {g["key"] for g in m["grid"]} & off_keys
+        assert {g["key"] for g in m["off_grid"]} <= off_keys and m["holdout"]["linear"]["off_grid"]["all"]["n"] > 0
+    with pytest.raises(FitError, match="holdout points not completed"):
+        fit([both], holdout_keys=["decode:b99:c7"])
+
+
+def test_rounds_pool_samples_and_recompute_the_estimate():
+    from genartifact_fpm_bench.runner import combine_rounds
+
+    def rec(walls, status="completed"):
+        smp = [{"sample_index": i, "role": "measure", "timing": {"wall_time": w}} for i, w in enumerate(walls)]
+        r = {"key": "decode:b1:c16", "point": {}, "dp_rank": 0, "status": status, "raw_samples": smp}
+        if status == "completed":
+            r["estimate"] = {"raw_sample_indices": list(range(len(walls))), "wall_time": float(np.median(walls))}
+        else:
+            r["error"] = "RuntimeError: boom"
+        return r
+
+    c = combine_rounds([rec([1.0, 1.0, 9.0]), rec([2.0, 2.0, 2.0])])
+    assert c["status"] == "completed" and c["estimate"]["wall_time"] == 2.0
+    assert [s["sample_index"] for s in c["raw_samples"]] == list(range(6))
+    assert [s["round"] for s in c["raw_samples"]] == [0, 0, 0, 1, 1, 1]
+    assert c["estimate"]["raw_sample_indices"] == list(range(6)) and c["estimate"]["noisy"]
+    f = combine_rounds([rec([1.0]), rec([], status="failed")])
+    assert f["status"] == "failed" and "boom" in f["error"] and f["rounds"][1]["status"] == "failed"

@@ -86,6 +86,8 @@ def make_handler(state: FaultServer):
                 status = 307
             elif mode == "s413":
                 status = 413
+            elif mode.startswith("code") and mode[4:].isdigit():
+                status = int(mode[4:])
             elif mode in ("s403", "s403expired", "s403signature"):
                 status = 403
             elif mode == "s400":

@@ -389,3 +389,65 @@ def test_wire_path_is_byte_for_byte_the_signed_path(fault_server, path):
     raw = "/ok" + path + "?" + SECRET + "&x=%2e%2E"
     put(t, grant(url=fault_server.url(raw)))
     assert fault_server.requests[-1].raw_path == raw
+
+
+# ---- boundaries pinned for mutation survivors (mutation/run.py) ----
+
+def test_settings_defaults_and_boundaries():
+    from genartifact_http_put_target import MAX_OBJECT_BYTES
+
+    d = PresignedSettings.parse({})
+    assert (d.max_attempts, d.read_timeout_s, d.backoff_base_s, d.max_bytes) == (3, 30.0, 0.2, MAX_OBJECT_BYTES)
+    for key, ok, bad in (("max_attempts", (1, 10), (0, 11, True, 2.0)),
+                         ("max_bytes", (1, MAX_OBJECT_BYTES), (0, MAX_OBJECT_BYTES + 1)),
+                         ("read_timeout_s", (0.01, 3600), (0.009, 3600.5, float("nan"), True)),
+                         ("backoff_base_s", (0.0, 60), (-0.1, 60.5))):
+        for v in ok:
+            assert getattr(PresignedSettings.parse({key: v}), key) == v
+        for v in bad:
+            with pytest.raises(ConfigError, match=key):
+                PresignedSettings.parse({key: v})
+    for hosts in (["127.0.0.1"], ["LOCALHOST:80"], [" 127.0.0.1:8000"], ["10.0.0.1:80"]):
+        with pytest.raises(ConfigError, match="insecure_http_hosts"):
+            PresignedSettings.parse({"insecure_http_hosts": hosts})
+
+
+def test_default_ports_and_header_name_length_boundary(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    assert t.validate(grant()).detail.port == 443
+    assert t.validate(grant(url=fault_server.url("/ok/p"))).detail.port == fault_server.server.server_address[1]
+    name = "x-amz-meta-" + "a" * (256 - len("x-amz-meta-"))
+    t.validate(grant(headers={"if-none-match": "*", name: "v"}))  # exactly 256 characters
+    with pytest.raises(TargetError, match="header names"):
+        t.validate(grant(headers={"if-none-match": "*", name + "b": "v"}))
+
+
+def test_expiry_margin_applies_before_sending(fault_server, monkeypatch):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    v = t.validate(grant(url=fault_server.url("/ok/margin")))
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: v.detail.expires_at - 0.5)  # inside the 1 s margin
+    with pytest.raises(DeliveryError) as e:
+        asyncio.run(t.deliver(v, b"x", "x"))
+    monkeypatch.setattr(time, "time", real)
+    assert e.value.code == "expired" and fault_server.requests == []
+
+
+def test_no_retry_that_would_end_past_expiry(fault_server):
+    t = PresignedHttpPutTarget(settings(fault_server, backoff_base_s=2.0, backoff_max_s=2.0))
+    g = grant(url=fault_server.url("/always503/k"), expires=iso(datetime.now(UTC) + timedelta(seconds=2.6)))
+    with pytest.raises(DeliveryError) as e:
+        put(t, g)
+    assert e.value.code == "expired" and len(fault_server.requests) == 1  # the 2 s backoff would cross expiry
+
+
+@pytest.mark.parametrize("status, code", [(300, "redirect_refused"), (399, "redirect_refused"),
+                                          (400, "delivery_failed"), (299, None)])
+def test_status_ranges(fault_server, status, code):
+    t = PresignedHttpPutTarget(settings(fault_server))
+    if code is None:
+        assert put(t, grant(url=fault_server.url(f"/code{status}/k"))) == "obj-1"  # any 2xx is success
+        return
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=fault_server.url(f"/code{status}/k")))
+    assert e.value.code == code

@@ -173,8 +173,8 @@ class VllmEngine:
         try:
             answers = await self._rpc(("init", cfg))
         except Exception as e:  # noqa: BLE001 - classified below
-            if RPC not in str(e):
-                raise
+            if f"attribute '{RPC}'" not in str(e):  # the workers have the method; their init failed
+                raise EngineStartError(f"genartifact worker init failed: {str(e)[-1500:]}") from e
             log.warning("worker_rpc_missing", detail="the engine's workers have no genartifact_call method: the "
                         "'genartifact' vllm.general_plugins entry point is not installed where the workers run, "
                         "and worker_extension_cls is not genartifact's; worker capture is off", error=str(e)[:300])

@@ -1,10 +1,11 @@
-"""``genartifact bench run|merge|fit|report``: a plugin command (entry point ``genartifact.commands: bench``),
+"""``genartifact bench run|merge|fit|live|report``: a plugin command (entry point ``genartifact.commands: bench``),
 loaded by the core CLI only when ``bench`` runs."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ def genartifact_command(name: str, parser: argparse.ArgumentParser) -> Callable[
     """Register ``bench``: its arguments on ``parser``; the handler is :func:`main`."""
     if name != "bench":
         return None
-    parser.description = "FPM self-benchmark: run a rank, merge ranks, render a report"
+    parser.description = "FPM self-benchmark: run a rank, merge ranks, fit a step-time model, check it live, render a report"
     add_arguments(parser)
     return main
 
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--dp-size", type=int, default=1)
     r.add_argument("--run-id", help="shared by all ranks of one run (default: random)")
     r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--rounds", type=int, default=1, help="run the grid this many times round-robin; a point's samples "
+                   "from all rounds are pooled (spreads them over the run's time)")
     r.add_argument("--port-base", type=int, default=20380)
     r.add_argument("--max-points", type=int, default=24)
     accept_engine_args(r)  # vLLM's own engine arguments (default here: --max-num-batched-tokens 1024)
@@ -44,8 +47,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f = sub.add_parser("fit", help="fit a step-time model per phase (linear + interpolating), with holdout error")
     f.add_argument("artifacts", nargs="+", help="rank or merged artifacts of one run (the grid)")
     f.add_argument("--holdout", nargs="*", default=[], help="artifacts of off-grid points (bench run --points FILE)")
+    f.add_argument("--holdout-points", help="points file: these points of the artifacts are held out (measured in the "
+                   "same run, never trained on)")
     f.add_argument("--rank", type=int, default=None, help="fit one DP rank only (default: ranks pooled per point)")
     f.add_argument("--out", required=True, help="model JSON path (must not exist)")
+    lv = sub.add_parser("live", help="run generate on a mixed workload with the FPM stream; compare each pass with a "
+                                     "fitted model")
+    lv.add_argument("--model", required=True, help="model directory (the engine's)")
+    lv.add_argument("--fit", required=True, help="a bench fit model JSON")
+    lv.add_argument("--prompts", help="JSONL prompts (default: a seeded mixed workload of 24 requests)")
+    lv.add_argument("--max-tokens", type=int, default=32)
+    lv.add_argument("--contents", help="comma list (default: moe_routes,selected_logprobs)")
+    lv.add_argument("--port-base", type=int, default=20380)
+    lv.add_argument("--out", required=True, help="live-check JSON path (must not exist)")
     rp = sub.add_parser("report", help="PNG plots and a Markdown summary of a rank or merged artifact")
     rp.add_argument("artifact")
     rp.add_argument("--out", required=True)
@@ -55,8 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: Any) -> int:
     """Run one ``bench`` subcommand; a refused input (bad artifact, existing output) prints ``error: …`` to
     stderr and returns 2."""
-    import sys
-
     from genartifact_fpm_bench.artifact import MergeError
     from genartifact_fpm_bench.fit import FitError
     from genartifact_fpm_bench.grid import GridError
@@ -80,6 +92,7 @@ def _main(args: Any) -> int:
         path = asyncio.run(run_rank(model=args.model, mode=args.mode, out_dir=args.out, rank=args.dp_rank,
                                     dp_size=args.dp_size, run_id=args.run_id, points_file=args.points,
                                     repeats=args.repeats, port_base=args.port_base, max_points=args.max_points,
+                                    rounds=args.rounds,
                                     engine_kwargs=engine_kwargs))
         print(f"rank artifact: {path}")
     elif args.bench_cmd == "merge":
@@ -91,10 +104,39 @@ def _main(args: Any) -> int:
     elif args.bench_cmd == "fit":
         from genartifact_fpm_bench.fit import fit, summary_lines, write_model
 
-        doc = fit(args.artifacts, args.holdout, rank=args.rank)
+        keys: list[str] = []
+        if args.holdout_points:
+            from genartifact_fpm_bench.grid import points_file_keys
+
+            keys = points_file_keys(args.holdout_points)
+        doc = fit(args.artifacts, args.holdout, rank=args.rank, holdout_keys=keys)
         write_model(doc, args.out)
         print("\n".join(summary_lines(doc)))
         print(f"model: {args.out}")
+    elif args.bench_cmd == "live":
+        from pathlib import Path
+
+        from genartifact_fpm_bench.artifact import write_once
+        from genartifact_fpm_bench.fit import StepModel
+        from genartifact_fpm_bench.live import live_check, summary_lines
+
+        if Path(args.out).exists():
+            raise FileExistsError(f"live-check output {args.out} exists; outputs are written once")
+        StepModel.load(args.fit)  # a foreign model fails before the engine starts
+        rows = None
+        if args.prompts:
+            from genartifact.engine.job import read_prompts
+
+            rows = read_prompts(args.prompts)
+        doc = asyncio.run(live_check(model_dir=args.model, step_model=args.fit, prompts=rows,
+                                     max_tokens=args.max_tokens, port_base=args.port_base,
+                                     contents=args.contents.split(",") if args.contents else None))
+        write_once(args.out, doc)
+        print("\n".join(summary_lines(doc)))
+        print(f"live check: {args.out} ({doc['passes_observed']} passes, receipts {doc['receipts']})")
+        if doc["not_ready"]:
+            print(f"error: receipts not ready: {doc['not_ready']}", file=sys.stderr)
+            return 1
     else:
         from genartifact_fpm_bench.report import report
 

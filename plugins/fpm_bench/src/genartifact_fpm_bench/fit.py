@@ -2,7 +2,8 @@
 
 Per phase (prefill, decode) two candidate models are fitted to the grid points of a rank or merged artifact:
 
-* ``linear`` — planner-style linear regression with **non-negative** coefficients (``scipy.optimize.nnls``), in the
+* ``linear`` — planner-style linear regression with **non-negative** coefficients (``scipy.optimize.nnls``, then
+  a robust soft-L1 refinement under the same bounds, see :func:`fit_linear`), in the
   spirit of NVIDIA Dynamo's planner (prefill: wall time ~ prefill tokens; decode: wall time ~ decode requests and
   decode KV tokens). Features (all from the pass shape an FPM carries):
 
@@ -15,7 +16,8 @@ Per phase (prefill, decode) two candidate models are fitted to the grid points o
   Delaunay triangulation; ``numpy.interp`` when only one coordinate varies) in the coordinates
   prefill ``(prefill_tokens, prefill_requests, prefill_kv_tokens / prefill_requests)``, decode
   ``(decode_requests, decode_kv_tokens / decode_requests)``, each scaled to [0, 1] over the grid. Outside the
-  grid's convex hull it answers with the linear model (``extrapolation: "linear"``).
+  grid's convex hull it answers with the linear model (``extrapolation: "linear"``). It holds only the points
+  with CV <= 0.1 when there are enough of them (it passes exactly through each point it holds).
 
 Each grid point's training value is the artifact's estimate (median ``wall_time`` of its measured samples, seconds);
 its coordinates are the mean shape of those samples as the FPMs recorded them (a decode point's contexts spread by
@@ -64,6 +66,10 @@ LINEAR_FEATURES = {"prefill": ("intercept", "prefill_requests", "prefill_tokens"
                    "decode": ("intercept", "decode_requests", "decode_kv_tokens")}
 INTERP_COORDS = {"prefill": ("prefill_tokens", "prefill_requests", "prefill_kv_per_request"),
                  "decode": ("decode_requests", "decode_context_per_request")}
+
+
+#: inlier scale of the robust linear fit: relative residuals up to about 5 % count fully, larger ones less
+ROBUST_SCALE = 0.05
 
 
 class FitError(ValueError):
@@ -186,18 +192,27 @@ def engine_identity(engine: Mapping[str, Any] | None) -> str | None:
 
 
 def fit_linear(phase: str, obs: Sequence[Observation]) -> np.ndarray:
-    """Non-negative least squares of ``y`` on :func:`linear_features`, rows weighted by ``1 / y`` so the fit
-    minimizes *relative* error (what MAPE measures). Returns coefficients (float64, seconds per feature unit)."""
-    from scipy.optimize import nnls
+    """Non-negative linear fit of ``y`` on :func:`linear_features` minimizing *relative* error (what MAPE
+    measures): non-negative least squares (``scipy.optimize.nnls``) on rows weighted by ``1 / y``, then a robust
+    refinement under the same bounds (``scipy.optimize.least_squares``, ``loss="soft_l1"``, ``f_scale`` =
+    :data:`ROBUST_SCALE` relative) — on a shared host, contention makes one-sided outliers that plain least
+    squares chases. Returns coefficients (float64, seconds per feature unit, all >= 0). Raises
+    :class:`FitError` with no points."""
+    from scipy.optimize import least_squares, nnls
 
     if not obs:
         raise FitError(f"{phase}: no completed points to fit")
     X = np.array([linear_features(phase, o.shape) for o in obs])
     y = np.array([o.y for o in obs])
-    w = 1.0 / y
     scale = np.maximum(np.abs(X).max(axis=0), 1e-12)  # column scaling for conditioning
-    coef, _ = nnls((X / scale) * w[:, None], y * w)
-    return coef / scale
+    Xs = X / scale
+    w = 1.0 / y
+    c0, _ = nnls(Xs * w[:, None], y * w)
+    if len(obs) > X.shape[1]:
+        res = least_squares(lambda c: (Xs @ c - y) * w, np.maximum(c0, 1e-12), bounds=(0.0, np.inf),
+                            loss="soft_l1", f_scale=ROBUST_SCALE)
+        c0 = np.maximum(res.x, 0.0)
+    return c0 / scale
 
 
 def _free_dims(pts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -212,6 +227,7 @@ class Interpolator:
 
     def __init__(self, points: np.ndarray, values: np.ndarray) -> None:
         self.points, self.values = np.asarray(points, float), np.asarray(values, float)
+        self.trained_on = "given points"
         self.free, self.lo, self.hi = _free_dims(self.points)
         self._f: Any = None
         scaled = self._scale(self.points)
@@ -244,6 +260,16 @@ class Interpolator:
         if on.any():
             out[on] = np.asarray(self._f(self._scale(q[on])), float).reshape(-1)
         return out
+
+
+def _interpolator(phase: str, obs: Sequence[Observation]) -> Interpolator:
+    """Interpolator over the points with CV <= NOISY_CV (it passes exactly through every point it holds, so a
+    noisy point would bend it) when at least ``dims + 2`` such points exist, else over all points."""
+    ok = [o for o in obs if o.cv is not None and o.cv <= NOISY_CV]
+    use = ok if len(ok) >= len(INTERP_COORDS[phase]) + 2 else list(obs)
+    it = Interpolator(np.array([interp_coords(phase, o.shape) for o in use]), np.array([o.y for o in use]))
+    it.trained_on = f"cv <= {NOISY_CV}" if use is ok else "all points"
+    return it
 
 
 def _predict_phase(phase: str, kind: str, coef: np.ndarray, interp: Interpolator | None,
@@ -282,7 +308,7 @@ def _loo(phase: str, obs: list[Observation]) -> dict[str, list[float]]:
             out["interpolate"].append(float("nan"))
             continue
         coef = fit_linear(phase, rest)
-        interp = Interpolator(np.array([interp_coords(phase, r.shape) for r in rest]), np.array([r.y for r in rest]))
+        interp = _interpolator(phase, rest)
         out["linear"].append(_predict_phase(phase, "linear", coef, None, o.shape)[0])
         out["interpolate"].append(_predict_phase(phase, "interpolate", coef, interp, o.shape)[0])
     return out
@@ -291,10 +317,14 @@ def _loo(phase: str, obs: list[Observation]) -> dict[str, list[float]]:
 # ---------------------------------------------------------------- fit
 
 
-def fit(train: Sequence[str | Path], holdout: Sequence[str | Path] = (), rank: int | None = None) -> dict[str, Any]:
+def fit(train: Sequence[str | Path], holdout: Sequence[str | Path] = (), rank: int | None = None,
+        holdout_keys: Sequence[str] = ()) -> dict[str, Any]:
     """Fit both model kinds per phase on the ``train`` artifacts (rank or merged; all must share run id, grid
     digest and engine identity), measure holdout error (LOO on the grid; off-grid on the ``holdout``
-    artifacts, whose engine identity must match), select per phase, and return the model document.
+    artifacts, whose engine identity must match, and on the points of ``train`` whose key is in
+    ``holdout_keys`` — measured in the same run, interleaved with the grid, but never trained on), select per
+    phase, and return the model document. Raises :class:`FitError` also when a ``holdout_keys`` key is not
+    among the completed points.
 
     Raises :class:`FitError` naming the file when an artifact is unreadable, when engine identities differ
     (naming the differing engine keys), or when no phase has at least 2 completed points."""
@@ -322,7 +352,11 @@ def fit(train: Sequence[str | Path], holdout: Sequence[str | Path] = (), rank: i
         else:
             seen[o.key] = o
     obs = sorted(seen.values(), key=lambda o: o.key)
-    hobs = [o for _, d in hold for o in observations(d, rank)]
+    missing = set(holdout_keys) - {o.key for o in obs}
+    if missing:
+        raise FitError(f"holdout points not completed in {ref_path}: {sorted(missing)[:10]}")
+    hobs = [o for o in obs if o.key in set(holdout_keys)] + [o for _, d in hold for o in observations(d, rank)]
+    obs = [o for o in obs if o.key not in set(holdout_keys)]
     phases: dict[str, Any] = {}
     for phase in PHASES:
         po = [o for o in obs if o.phase == phase]
@@ -330,7 +364,7 @@ def fit(train: Sequence[str | Path], holdout: Sequence[str | Path] = (), rank: i
             continue
         coef = fit_linear(phase, po)
         coords = np.array([interp_coords(phase, o.shape) for o in po])
-        interp = Interpolator(coords, np.array([o.y for o in po]))
+        interp = _interpolator(phase, po)
         loo = _loo(phase, po)
         hp = [o for o in hobs if o.phase == phase]
         ev: dict[str, Any] = {}
@@ -354,13 +388,14 @@ def fit(train: Sequence[str | Path], holdout: Sequence[str | Path] = (), rank: i
             "selected": selected, "selected_by": f"{basis} MAPE over points with CV <= {NOISY_CV} (all points if none)",
             "linear": {"features": list(LINEAR_FEATURES[phase]), "coefficients": coef.tolist(),
                        "units": "seconds per feature unit (features in tokens, requests, token pairs)"},
-            "interpolate": {"coords": list(INTERP_COORDS[phase]), "points": coords.tolist(),
-                            "values": [o.y for o in po], "extrapolation": "linear"},
+            "interpolate": {"coords": list(INTERP_COORDS[phase]), "points": interp.points.tolist(),
+                            "values": interp.values.tolist(), "extrapolation": "linear",
+                            "trained_on": interp.trained_on},
             "domain": {"min": coords.min(axis=0).tolist(), "max": coords.max(axis=0).tolist()},
             "holdout": ev,
             "grid": [{"key": o.key, "y": o.y, "cv": o.cv, "ranks": {str(k): v for k, v in o.ranks.items()},
-                      "shape": o.shape, "pred": {"linear": _predict_phase(phase, "linear", coef, None, o.shape)[0],
-                                                 "interpolate": o.y},
+                      "shape": o.shape, "pred": {k: _predict_phase(phase, k, coef, interp, o.shape)[0]
+                                                 for k in ("linear", "interpolate")},
                       "loo": {k: (None if math.isnan(loo[k][i]) else loo[k][i]) for k in loo}}
                      for i, o in enumerate(po)],
             "off_grid": [{"key": o.key, "y": o.y, "cv": o.cv, "shape": o.shape,
@@ -378,7 +413,8 @@ def fit(train: Sequence[str | Path], holdout: Sequence[str | Path] = (), rank: i
                    "engine_identity": engine_identity(engine), "rank": rank,
                    "engine_summary": {k: engine.get(k) for k in ("model", "scheduler", "cache", "versions")
                                       if k in engine},
-                   "holdout": [{"path": p, "run_id": d["run_id"], "grid_digest": d["grid_digest"]} for p, d in hold]},
+                   "holdout": [{"path": p, "run_id": d["run_id"], "grid_digest": d["grid_digest"]} for p, d in hold],
+                   "holdout_keys": sorted(holdout_keys)},
         "phases": phases,
     }
 

@@ -184,6 +184,13 @@ def load_points(path: str | Path, limits: Limits, repeats: int = 3) -> list[Poin
     return pts
 
 
+def points_file_keys(path: str | Path) -> list[str]:
+    """Point keys of a points file, checked for shape but not against an engine's limits (no engine here)."""
+    unbounded = Limits(max_num_batched_tokens=1 << 40, max_num_seqs=1 << 40, max_model_len=1 << 40,
+                       kv_capacity_tokens=1 << 60, block_size=1, prefix_caching=True)
+    return [p.key() for p in load_points(path, unbounded)]
+
+
 def grid_digest(points: Sequence[Point]) -> str:
     """SHA-256 (hex) of the canonical JSON of the ordered points."""
     body = json.dumps([p.as_dict() for p in points], sort_keys=True, separators=(",", ":"))

@@ -15,7 +15,7 @@ from genartifact_fpm_bench import SCHEDULER_QUALNAME, __version__
 from genartifact_fpm_bench.artifact import RANK_SCHEMA, SCHEMA_VERSION, rank_path, write_once
 from genartifact_fpm_bench.content import HASH_ENCODING, IDENTITY, content_seed
 from genartifact_fpm_bench.grid import Limits, grid_digest, load_points, plan_grid
-from genartifact_fpm_bench.runner import NOISY_CV, UNOBSERVED, BenchRunner, FpmCollector
+from genartifact_fpm_bench.runner import NOISY_CV, UNOBSERVED, BenchRunner, FpmCollector, combine_rounds
 
 log = structlog.get_logger("genartifact.fpm_bench")
 PROBES = ["engine_config", "runtime_versions", "kv_cache_spec", "worker_probe"]
@@ -49,9 +49,14 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
 
 async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_size: int = 1, run_id: str | None = None,
                    points_file: str | None = None, repeats: int = 3, port_base: int = 20380,
-                   engine_kwargs: dict[str, Any] | None = None, max_points: int = 64, progress: bool = True) -> Path:
-    """Start an engine with the instrumented scheduler, measure the grid, collect provenance, write
-    ``<out_dir>/fpm_rank<rank>.json`` (create-only). Returns its path."""
+                   engine_kwargs: dict[str, Any] | None = None, max_points: int = 64, progress: bool = True,
+                   rounds: int = 1) -> Path:
+    """Start an engine with the instrumented scheduler, measure the grid ``rounds`` times round-robin (each
+    execution takes ``repeats`` measured samples; a point's rounds are combined by
+    :func:`~genartifact_fpm_bench.runner.combine_rounds`), collect provenance, write ``<out_dir>/fpm_rank<rank>.json``
+    (create-only). Returns its path. Raises ``ValueError`` for ``rounds`` < 1."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1; got {rounds}")
     from genartifact.engine.vllm_adapter import VllmEngine
     from genartifact.host import PluginHost
     from tqdm import tqdm
@@ -82,9 +87,13 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
         vocab = int(engine.model_info.hf_config.get("vocab_size", 512))  # type: ignore[union-attr]
         runner = BenchRunner(engine.llm, collector, rank, (4, vocab), limits, repeats=repeats)
         await runner.warmup()
-        records = []
-        for p in tqdm(points, desc=f"bench rank {rank}", unit="pt", disable=not progress):
-            records.append(await runner.run_point(p))
+        by_key: dict[str, list[dict[str, Any]]] = {p.key(): [] for p in points}
+        with tqdm(total=len(points) * rounds, desc=f"bench rank {rank}", unit="pt", disable=not progress) as bar:
+            for _ in range(rounds):  # round-robin: each point's samples spread over the whole run
+                for p in points:
+                    by_key[p.key()].append(await runner.run_point(p))
+                    bar.update(1)
+        records = [combine_rounds(by_key[p.key()]) for p in points]
         blocks, errors = await probes.collect(host, {"engine": engine})
     finally:
         collector.close()
@@ -100,7 +109,7 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
         "dp": {"rank": rank, "size": dp_size},
         "protocol": {"content_seed": content_seed(), "content_identity": IDENTITY, "prompt_hash_encoding": HASH_ENCODING,
                      "timing_metric": "scheduler_wall_time", "timing_basis": "schedule_to_output",
-                     "estimate": "median of measured samples", "repeats": repeats, "noisy_cv": NOISY_CV,
+                     "estimate": "median of measured samples", "repeats": repeats, "rounds": rounds, "noisy_cv": NOISY_CV,
                      "prefill": "single_step", "decode": "steady_steps_after_admission", "unobserved": UNOBSERVED,
                      "fpm_bench_version": __version__},
         "limits": limits.__dict__,

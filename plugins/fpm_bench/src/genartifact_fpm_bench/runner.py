@@ -166,12 +166,7 @@ class BenchRunner:
             rec["prompts"] = {"status": "recorded", "sha256": content.aggregate,
                               "requests": [{"slot": i, "num_tokens": int(x.size), "sha256": h}
                                            for i, (x, h) in enumerate(zip(content.prompts, content.hashes, strict=True))]}
-            walls = [samples[i]["timing"]["wall_time"] for i in measured]
-            if not walls:
-                raise RuntimeError("no forward pass had the point's shape (the scheduler split the batch)")
-            cv = statistics.pstdev(walls) / statistics.fmean(walls) if len(walls) > 1 else None
-            rec["estimate"] = {"method": "median", "timing_basis": "schedule_to_output", "raw_sample_indices": measured,
-                               "wall_time": statistics.median(walls), "cv": cv, "noisy": bool(cv is not None and cv > NOISY_CV)}
+            rec["estimate"] = estimate(samples, measured)
             rec["status"] = "completed"
         except Exception as e:  # noqa: BLE001 - a failed point is recorded, the run goes on
             rec["status"] = "failed"
@@ -201,6 +196,46 @@ class BenchRunner:
             if match:
                 idx.append(i)
         return idx
+
+
+def estimate(samples: list[dict[str, Any]], measured: list[int]) -> dict[str, Any]:
+    """The point estimate from raw samples: median ``wall_time`` (seconds) of the ``measured`` samples, their CV
+    (population stdev / mean; None with one sample) and the noisy flag (CV > ``NOISY_CV``). Raises
+    ``RuntimeError`` when no sample was measured (no forward pass had the point's shape)."""
+    walls = [samples[i]["timing"]["wall_time"] for i in measured]
+    if not walls:
+        raise RuntimeError("no forward pass had the point's shape (the scheduler split the batch)")
+    cv = statistics.pstdev(walls) / statistics.fmean(walls) if len(walls) > 1 else None
+    return {"method": "median", "timing_basis": "schedule_to_output", "raw_sample_indices": list(measured),
+            "wall_time": statistics.median(walls), "cv": cv, "noisy": bool(cv is not None and cv > NOISY_CV)}
+
+
+def combine_rounds(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from the records of the same point measured in successive rounds (the whole grid runs once per
+    round, so a point's samples are spread over the run's time instead of falling into one contention burst):
+    raw samples concatenated in round order (each tagged ``round``; ``sample_index`` renumbered), the estimate
+    recomputed over every measured sample; ``rounds`` lists each round's status. Completed only if every round
+    completed (else failed with the first round's error)."""
+    if len(recs) == 1:
+        return recs[0]
+    out = {k: v for k, v in recs[0].items() if k not in ("raw_samples", "estimate", "status", "error")}
+    samples: list[dict[str, Any]] = []
+    measured: list[int] = []
+    for r, rec in enumerate(recs):
+        base = len(samples)
+        for smp in rec["raw_samples"]:
+            samples.append({**smp, "sample_index": base + smp["sample_index"], "round": r})
+        if rec.get("status") == "completed":
+            measured += [base + i for i in rec["estimate"]["raw_sample_indices"]]
+    out["raw_samples"] = samples
+    out["rounds"] = [{"round": r, "status": rec.get("status"), **({"error": rec["error"]} if "error" in rec else {})}
+                     for r, rec in enumerate(recs)]
+    failed = [rec for rec in recs if rec.get("status") != "completed"]
+    if failed:
+        out["status"], out["error"] = "failed", failed[0].get("error")
+    else:
+        out["status"], out["estimate"] = "completed", estimate(samples, measured)
+    return out
 
 
 def _evidence(fpms: list[FPM]) -> dict[str, Any]:
