@@ -38,7 +38,7 @@ bench: $(STAMP) $(MODEL)/model.safetensors
 	$(PY) benchmarks/bench_capture_overhead.py --model $(MODEL)
 
 # FPM self-benchmark end to end: two data-parallel ranks (one engine each, pinned to its own core when there
-# are two) -> merge -> fit (step-time model, leave-one-point-out error) -> report (report.html). ~2-3 minutes.
+# are two) -> merge -> fit (step-time model, leave-one-point-out error) -> report (report.html). A few minutes: mostly the two engine starts.
 BENCH_PORT ?= 20380
 bench-demo: $(STAMP) $(MODEL)/model.safetensors
 	$(eval OUT := bench/demo-$(shell date +%Y%m%dT%H%M%S))

@@ -33,7 +33,8 @@ MODULES = {
     "presigned_target": ("plugins/http_put_target/src/genartifact_http_put_target/__init__.py",
                          "plugins/http_put_target/tests"),
     "fsspec_target": ("plugins/fsspec_target/src/genartifact_fsspec_target/__init__.py",
-                      "plugins/fsspec_target/tests/test_fsspec_target.py"),
+                      "plugins/fsspec_target/tests/test_fsspec_target.py plugins/fsspec_target/tests/test_s3.py "
+                      "tests/test_journal_reconcile.py"),
 }
 
 

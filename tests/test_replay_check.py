@@ -122,3 +122,35 @@ def test_cli_subcommand(tmp_path):
     run = subprocess.run(cmd[:4] + ["--model", str(model), str(tmp_path / "missing.gart")], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 2 and "not found" in run.stdout
+
+
+def test_receipts_file_through_the_configured_target(tmp_path, capsys):
+    """A generate-style receipts .jsonl read through loaders.open_target (the config's managed_fsspec profile):
+    SHA-256 checked, failed receipts listed as skipped, a tampered object reported as unreadable (exit 2)."""
+    import hashlib
+
+    from conftest import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    store = tmp_path / "store"
+    (store / "runs").mkdir(parents=True)
+    data = oracle_artifact(rc.HFOracle(model), np.arange(5, 30, dtype=np.uint32), p=20)
+    (store / "runs" / "a.gart").write_bytes(data)
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f"""[plugins]\ncontents = ["moe_routes", "selected_logprobs"]\ntargets = ["managed_fsspec"]
+[targets.managed_fsspec.profiles.p]\nurl = "{store}"\nallowed_prefixes = ["runs/"]\n""")
+    good = {"state": "ready", "object_id": "p:runs/a.gart", "byte_count": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(), "format": "generation_artifact_v1", "index": 0}
+    failed = {"state": "failed", "error_code": "timeout", "index": 1}
+    receipts = tmp_path / "receipts.jsonl"
+    receipts.write_text(json.dumps(good) + "\n" + json.dumps(failed) + "\n")
+    assert rc.run(args(model, [receipts], config=cfg, json="-")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [a.get("pass", a.get("skipped")) for a in doc["artifacts"]] == [
+        True, "receipt state 'failed', no object to check"]
+    receipts.write_text(json.dumps({**good, "sha256": "0" * 64}) + "\n")
+    assert rc.run(args(model, [receipts], config=cfg)) == 2
+    assert "sha256" in capsys.readouterr().out
+    receipts.write_text(json.dumps(failed) + "\n")
+    with pytest.raises(rc.ReplayCheckError, match="no artifact to check"):
+        rc.run(args(model, [receipts], config=cfg))

@@ -44,4 +44,4 @@ def test_mixed_workload_is_seeded_and_mixed():
     assert a == b and a != mixed_workload(24, seed=2)
     lens = [len(r["prompt"].split()) for r in a]
     outs = [r["max_tokens"] for r in a]
-    assert min(lens) < 100 < 400 < max(lens) and min(outs) < 16 < 48 < max(outs)
+    assert min(lens) < 50 < 300 < max(lens) < 400 and min(outs) < 16 < 48 < max(outs)

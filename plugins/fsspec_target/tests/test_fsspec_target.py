@@ -218,3 +218,21 @@ def test_over_max_bytes_refused_before_write(tmp_path):
     with pytest.raises(DeliveryError) as e:
         asyncio.run(t.deliver(v, b"12345", "x"))
     assert e.value.code == "too_large" and not (tmp_path / "runs/big").exists()
+
+
+def test_hook_serves_only_its_kind_and_profile_defaults_and_bounds():
+    """Pinned for mutation survivors: the hook answers only ``managed_fsspec``; documented defaults; the
+    attempts range 1..10."""
+    from genartifact_fsspec_target import genartifact_storage_target
+
+    for other in ("presigned_http_put", "aaa", "zzz", "managed_fsspeC"):
+        assert genartifact_storage_target(kind=other, settings={}) is None
+    assert genartifact_storage_target(kind="managed_fsspec", settings={}) is not None
+    p = parse_profiles({"profiles": {"p": {"url": "memory://x", "allowed_prefixes": [""]}}})["p"]
+    assert (p.timeout_s, p.connect_timeout_s, p.read_timeout_s, p.max_attempts, p.checksum) == \
+        (60.0, 5.0, 30.0, 3, "when_required")
+    for ok in (1, 10):
+        parse_profiles({"profiles": {"p": {"url": "memory://x", "allowed_prefixes": [""], "max_attempts": ok}}})
+    for bad in (0, 11, True):
+        with pytest.raises(ConfigError, match="max_attempts"):
+            parse_profiles({"profiles": {"p": {"url": "memory://x", "allowed_prefixes": [""], "max_attempts": bad}}})

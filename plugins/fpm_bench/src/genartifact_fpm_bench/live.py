@@ -41,11 +41,11 @@ WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "signal",
 
 def mixed_workload(n: int = 24, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` prompt rows (``{"prompt": str, "max_tokens": int}``) with lengths drawn from a seeded generator:
-    prompts of 8–700 words, 4–64 output tokens — long and short requests overlap, so passes mix."""
+    prompts of 4–400 words (this tokenizer: ~3 tokens a word, so < max_model_len 2048), 4–64 output tokens — long and short requests overlap, so passes mix."""
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):
-        words = rng.choice(WORDS, size=int(rng.integers(8, 700)))
+        words = rng.choice(WORDS, size=int(rng.integers(4, 400)))
         rows.append({"prompt": " ".join(words.tolist()), "max_tokens": int(rng.integers(4, 65))})
     return rows
 

@@ -35,6 +35,7 @@ from genartifact.errors import GenartifactError
 
 hookimpl = pluggy.HookimplMarker("genartifact")
 COMMAND = "replay-check"
+SKIPPED = "\x00skipped: "  # marks an input with nothing to check (a failed receipt), not an error
 
 
 class ReplayCheckError(GenartifactError):
@@ -193,18 +194,27 @@ def _load_inputs(refs: Sequence[str], config: str | None) -> list[tuple[str, Any
     for ref in refs:
         p = Path(ref)
         if p.suffix == ".jsonl" and p.is_file():
-            items = []
+            items: list[tuple[str, Any]] = []
             for n, line in enumerate(p.read_text().splitlines(), 1):
                 if line.strip():
                     try:
                         items.append((f"{ref}:{n}", json.loads(line)))
                     except json.JSONDecodeError as e:
-                        out.append((f"{ref}:{n}", f"receipt is not JSON: {e.msg}"))
-            ready = [(lab, r) for lab, r in items if isinstance(r, dict) and r.get("state") == "ready"]
-            res = loaders.load_batch([r for _, r in ready], get_target()) if ready else None
-            for i, (lab, _) in enumerate(ready):
-                out.append((lab, res.items[i] if res.items[i] is not None else
-                            next(str(e) for e in res.errors if e.index == i)))
+                        items.append((f"{ref}:{n}", f"receipt is not JSON: {e.msg}"))
+            ready = [i for i, (_, r) in enumerate(items) if isinstance(r, dict) and r.get("state") == "ready"]
+            res = loaders.load_batch([items[i][1] for i in ready], get_target()) if ready else None
+            loaded = {}
+            for j, i in enumerate(ready):
+                loaded[i] = res.items[j] if res.items[j] is not None else \
+                    next(str(e) for e in res.errors if e.index == j)
+            for i, (lab, r) in enumerate(items):  # file order; failed/rejected receipts listed, never dropped
+                if i in loaded:
+                    out.append((lab, loaded[i]))
+                elif isinstance(r, str):
+                    out.append((lab, r))
+                else:
+                    state = r.get("state") if isinstance(r, dict) else type(r).__name__
+                    out.append((lab, SKIPPED + f"receipt state {state!r}, no object to check"))
             continue
         try:
             if p.is_file():
@@ -258,8 +268,13 @@ def run(args: argparse.Namespace) -> int:
         raise ReplayCheckError(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     inputs = _load_inputs(args.refs, args.config)
     oracle = HFOracle(args.model) if any(not isinstance(a, str) for _, a in inputs) else None
+    if not any(not isinstance(a, str) or not a.startswith(SKIPPED) for _, a in inputs):
+        raise ReplayCheckError("no artifact to check: every receipt is failed or rejected")
     results, status = [], 0
     for label, art in inputs:
+        if isinstance(art, str) and art.startswith(SKIPPED):
+            results.append({"artifact": label, "skipped": art[len(SKIPPED):]})
+            continue
         if isinstance(art, str):
             results.append({"artifact": label, "error": art})
             status = 2
@@ -293,6 +308,9 @@ def table(results: list[dict[str, Any]]) -> str:
         name = r["artifact"] if len(r["artifact"]) <= 40 else "…" + r["artifact"][-39:]
         if "error" in r:
             lines.append(f"{name:40} {'ERROR':6} {r['error']}")
+            continue
+        if "skipped" in r:
+            lines.append(f"{name:40} {'skip':6} {r['skipped']}")
             continue
         layers = r["layers"]
         rows = sum(x["rows"] for x in layers)
