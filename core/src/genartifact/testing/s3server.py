@@ -9,7 +9,8 @@ has expired") and conditional create (``If-None-Match: *`` on an existing key ->
 gRPC listener. All of them are given free loopback ports (the admin's plugin worker dials the admin gRPC port
 at the admin HTTP port + 10000, SeaweedFS's ``GrpcPortOffset``, so both are chosen together); Iceberg,
 Lance, WebDAV, the admin UI and telemetry are switched off. Teardown is SIGKILL of the process group plus
-removal of the throwaway data directory (SIGTERM takes seconds; the data is disposable).
+removal of the throwaway data directory (SIGTERM takes seconds; the data is disposable); on Linux the server
+is also killed by the kernel when the process that started it dies (``PR_SET_PDEATHSIG``), even by SIGKILL.
 
 Usage::
 
@@ -37,6 +38,21 @@ GRPC_PORT_OFFSET = 10000  # SeaweedFS util/grpc: a component's gRPC port default
 
 class S3ServerError(RuntimeError):
     """The S3 test server could not be found or did not start (message names the cause and the log path)."""
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGKILL it when the process that started it dies (``prctl
+    PR_SET_PDEATHSIG``), so a test run killed with SIGKILL or a timeout leaves no server behind. Elsewhere a
+    no-op (``stop()`` and the context manager still clean up on a normal exit). Linux sends the signal when the
+    *thread* that started the server exits, so start it from a thread that outlives it (fixtures: the main one)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def weed_binary() -> str:
@@ -150,7 +166,7 @@ class SeaweedS3:
                   for name, p in self.ports.items())]
         self._log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         try:
             self._wait_ready()
             c = self.client()
