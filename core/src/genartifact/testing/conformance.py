@@ -1,12 +1,20 @@
 """Conformance suites that a plugin's own tests subclass: the same bar the in-repo plugins are held to.
 
 Targets (:class:`TargetConformance`): create-only, all-or-nothing, ``too_large`` before writing, ``validate``
-free of side effects, receipt id = validated id, stable error codes, no secrets in repr/errors/logs, read-back
-(``open`` bounded by ``max_bytes``, ``exists``) and conditional delete.
+free of side effects (no object; nothing created under the optional :meth:`TargetConformance.target_root`),
+a delivery failing mid-write (opt-in fault injection :meth:`TargetConformance.fail_during_write`) or cancelled
+mid-flight leaves nothing partial, receipt id = validated id, stable error codes, no secrets in repr, errors
+(read-back's included) or logs (structlog events and stdlib ``logging`` records at DEBUG), read-back (``open``
+bounded by ``max_bytes``, ``exists``) and conditional delete.
 
-Contents (:class:`ContentConformance`): strict decode round trip through the plugin's reader, release idempotent,
-retained <= admitted at every delta, alignment with the token counts (a token more or fewer is rejected by the
-reader), no sampling change unless declared, the reader rejects missing tensors, the summary is JSON.
+Contents (:class:`ContentConformance`): strict decode round trip through the plugin's reader (failures show
+the receipt's ``error_code`` and ``error``), release idempotent, retained <= admitted at every delta, more
+tokens than admitted refused or bounded, alignment with the token counts (a token more or fewer is rejected by
+the reader), no sampling change unless declared, the reader rejects missing tensors, ``summary`` is a JSON
+object and ``summary_text`` one line of text (isolated exactly as ``genartifact inspect`` isolates them).
+
+Secrets are checked without ever placing them in an asserted expression: a leak fails with the secret's
+index and length only.
 
 Each suite is a plain class whose ``test_*`` methods pytest collects in a subclass named ``Test*``; async work
 runs in ``asyncio.run`` so no pytest-asyncio mode is required. Example::
