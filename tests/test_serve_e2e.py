@@ -144,10 +144,17 @@ def test_openai_logprobs_fields_map_to_top_logprobs(server):
         for i in range(n):  # the sampled token is either one of the top k (same value) or below all of them
             row = ids[i].tolist()
             assert sel[i] == lps[i][row.index(comp[i])] if comp[i] in row else sel[i] <= lps[i][-1]
-    # without a top_logprobs artifact the fields are still refused before any engine work
-    bad = httpx.post(f"{server['base']}/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 2,
-                                                              "generation_artifact": artifact()}, timeout=30)
-    assert bad.status_code == 400 and "not supported" in bad.text
+    # the response carries them too, in OpenAI's shapes (as vLLM), with or without a top_logprobs artifact
+    assert len(r.choices[0].logprobs.top_logprobs) == 6 and len(c.choices[0].logprobs.content[0].top_logprobs) == 2
+    plain = httpx.post(f"{server['base']}/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 2,
+                                                                "max_tokens": 3, "generation_artifact": artifact()},
+                       timeout=60).json()
+    assert len(plain["choices"][0]["logprobs"]["token_logprobs"]) == 3
+    assert plain["generation_artifact"]["state"] == "ready"
+    bad = httpx.post(f"{server['base']}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+        "generation_artifact": artifact(contents=want)}, timeout=30)
+    assert bad.status_code == 400 and "for a top_logprobs artifact" in bad.text
 
 
 def test_generate_token_ids_and_logprobs_align_with_artifact(server):
@@ -166,7 +173,7 @@ def test_generate_token_ids_and_logprobs_align_with_artifact(server):
         ({"prompt": "x", "generation_artifact": "nope"}, 400, "generation_artifact must be a JSON object"),
         ({"prompt": "x", "generation_artifact": {**artifact(), "contents": ["moe_route"]}}, 400, "did you mean 'moe_routes'"),
         ({"prompt": "x", "max_tokens": 1500, "generation_artifact": artifact(profile="tiny")}, 400, "max_bytes is 3000"),
-        ({"prompt": "x", "n": 2, "generation_artifact": artifact()}, 400, "n=2 unsupported"),
+        ({"prompt": "x", "n": 2, "generation_artifact": artifact()}, 400, "needs one target per choice"),
         ({"prompt": "x", "generation_artifact": {**artifact(), "delivery": {"mode": "object_store", "target": {
             "kind": "managed_fsspec", "profile": "local", "object_key": "../escape"}}}}, 400, "normalized"),
         ({"prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
@@ -174,13 +181,18 @@ def test_generate_token_ids_and_logprobs_align_with_artifact(server):
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": [5, 512]}, 400, "token id out of range"),
         ({"prompt": [5, 2**64]}, 400, "token id out of range"),
-        ({"prompt": "x", "stop": ["\n"]}, 400, "unsupported parameter(s) ['stop']"),
-        ({"prompt": "x", "logprobs": 1}, 400, "logprobs on /v1/completions is not supported"),
+        ({"prompt": "x", "echo": True}, 400, "unsupported parameter(s) ['echo']"),
+        ({"prompt": "x", "logprobs": 21}, 400, "logprobs=21 invalid"),
         ({"prompt": "x", "n": True}, 400, "n=True unsupported"),
         ({"prompt": "x" * 70_000}, 400, "cannot fit max_model_len"),
+        ({"prompt": "x", "n": 17}, 400, "n=17 unsupported"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options can only be defined"),
+        ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty=3 invalid"),
+        ({"prompt": "x", "stop": [""]}, 400, "stop invalid"),
     ],
     ids=["malformed", "unknown-content", "over-budget", "n2", "bad-target", "max-tokens-type", "seed", "empty",
-         "oov", "oov-huge", "stop", "logprobs", "n-bool", "long-text"],
+         "oov", "oov-huge", "echo", "logprobs", "n-bool", "long-text", "n17", "stream-options", "penalty",
+         "empty-stop"],
 )
 def test_bad_requests_are_4xx_without_engine_work(server, body, status, match):
     before = metrics(server)["genartifact_engine_requests_total"]

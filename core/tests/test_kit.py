@@ -56,7 +56,7 @@ class Echo:
         self.name, self.vals = name, []
 
     def admit(self, ctx):
-        return 4 * ctx.max_tokens
+        return 4 * ctx.max_tokens + 64  # u32 per token + the manifest section
 
     def sampling_overrides(self, params):
         pass

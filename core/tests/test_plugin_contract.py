@@ -32,7 +32,7 @@ class Echo:
     def admit(self, ctx):
         self._maybe("admit")
         self.max = ctx.max_tokens
-        return "lots" if self.bad == "admit" else 4 * ctx.max_tokens
+        return "lots" if self.bad == "admit" else 4 * ctx.max_tokens + 2  # u32 [C] + its section "{}"
 
     def sampling_overrides(self, params):
         self._maybe("sampling_overrides")

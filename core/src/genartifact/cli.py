@@ -15,7 +15,7 @@ from typing import Any
 
 from genartifact import config as config_mod
 from genartifact.engine.engine_args import accept_engine_args, takes_engine_args
-from genartifact.errors import GenartifactError
+from genartifact.errors import GenartifactError, PluginFault
 from genartifact.logging import configure_logging
 
 
@@ -117,8 +117,13 @@ def _summary(art: Any) -> dict[str, Any]:
         "header": m["header"],
         "tensors": [{k: r[k] for k in ("name", "dtype", "shape", "byte_count")} for r in m["tensors"]],
     }
-    for name, summary in art.summary().items():
-        out.setdefault(name, summary)
+    out["faults"] = {}
+    for name in m["contents"]:
+        try:
+            out.setdefault(name, art.content_summary(name))
+        except PluginFault as e:  # isolated: the other contents still summarise; the command then exits 1
+            out["faults"][name] = str(e)
+            out.setdefault(name, {"error": "plugin_fault", "plugin": e.plugin, "method": e.method})
     return out
 
 
@@ -181,14 +186,50 @@ def survey(cfg_path: str | None, *, check: bool = False) -> tuple[list[dict[str,
     problems.extend(f"{r['kind']} '{r['name']}' ({r['dist']} {r['version']}): {r['problem']}" for r in rows
                     if r["problem"])
     if check and cfg is not None and not problems:
-        try:
-            host = cfg.host()
-            settings = cfg.target_settings()
-            for p in host.enabled["targets"]:
-                host.hooks.storage_target(kind=p.name, settings=settings.get(p.name, {}))
-        except GenartifactError as e:
-            problems.append(f"config {cfg.source}: {e}")
+        problems.extend(check_settings(cfg))
     return rows, problems
+
+
+def check_settings(cfg: Any) -> list[str]:
+    """Load the config's plugin set together and build every enabled target *and* content producer from its
+    settings (``[targets.<kind>]`` / ``[contents.<name>]`` plus ``base_dir``), as a run would; each
+    ``ConfigError`` or plugin fault is one problem naming the plugin. Content factories get a stand-in model
+    (:func:`genartifact.testing.model_info`, a tiny MoE description); a factory that refuses that model with
+    ``AdmissionError`` (a model it cannot serve, not a settings error) is not a problem."""
+    from genartifact.errors import AdmissionError
+    from genartifact.testing import model_info
+
+    try:
+        host = cfg.host()
+    except GenartifactError as e:
+        return [f"config {cfg.source}: {e}"]
+    problems = []
+    tsettings, csettings = cfg.target_settings(), cfg.content_settings()
+    for p in host.enabled["targets"]:
+        try:
+            if host.hooks.storage_target(kind=p.name, settings=tsettings.get(p.name, {})) is None:
+                problems.append(f"config {cfg.source}: target '{p.name}': its plugin returned no target")
+        except GenartifactError as e:
+            problems.append(f"config {cfg.source}: [targets.{p.name}]: {e}")
+    model = model_info()
+    for p in host.enabled["contents"]:
+        try:
+            prod = host.hooks.content_producer(name=p.name, model=model, settings=csettings.get(p.name, {}))
+            if prod is not None:
+                prod.release()
+        except AdmissionError:
+            continue
+        except GenartifactError as e:
+            problems.append(f"config {cfg.source}: [contents.{p.name}]: {e}")
+    return problems
+
+
+def survey_notes(cfg_path: str | None) -> dict[str, list[str]]:
+    """kind -> names the embedded default would enable but that are not installed (empty for a config file)."""
+    try:
+        return config_mod.load(cfg_path).not_installed
+    except GenartifactError:
+        return {}
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -205,12 +246,17 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                         + ("  PROBLEM" if r["problem"] else "")))
         for p in problems:
             print(_safe(f"problem: {p}"))
+        for kind, names in survey_notes(args.config).items():
+            print(_safe(f"note: the embedded default's {kind} {names} are not installed and not enabled"))
         if args.check and not problems:
             print(f"OK: {len(rows)} plugins imported and validated")
     return 1 if args.check and problems else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """Decode an artifact strictly and print its envelope and each content's reader summary. A content reader
+    whose ``summary``/``summary_text`` raises or returns a wrong value is isolated: its line (``--json``: its
+    entry and ``faults``) names the plugin, every other content still prints, and the command exits 1."""
     from genartifact.format import decode
 
     art = decode(_read_object(args.object, args.config))
@@ -226,13 +272,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(_safe(f"engine: {hdr.get('engine')}  model: {model.get('name')}"))
         for t in s["tensors"]:
             print(_safe(f"  {t['name']:28} {t['dtype']:4} {str(t['shape']):18} {t['byte_count']} bytes"))
+        from genartifact.host import guard_reader
         from genartifact.readers import reader_for
 
         for name in s["contents"]:
-            fn = getattr(reader_for(name), "summary_text", None)
-            text = fn(s[name]) if fn is not None else json.dumps(s[name], sort_keys=True)
+            if name not in s["faults"]:
+                try:
+                    reader = guard_reader(reader_for(name), None, name)
+                    text = reader.summary_text(s[name]) if reader is not None else json.dumps(s[name], sort_keys=True)
+                except PluginFault as e:
+                    s["faults"][name] = str(e)
+            if name in s["faults"]:
+                text = f"plugin fault: {s['faults'][name]}"
             print(_safe(f"{name}: {text}"))
-    return 0
+    for name, msg in s["faults"].items():
+        print(_safe(f"error: content {name!r}: {msg}"), file=sys.stderr)
+    return 1 if s["faults"] else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -440,9 +495,23 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+#: global options (before the subcommand) that take a value
+_GLOBAL_VALUE_OPTIONS = ("--config",)
+
+
 def _chosen_command(argv: list[str]) -> str | None:
-    """The subcommand named in ``argv`` (first token not starting with ``-``; global options take no value)."""
-    return next((a for a in argv if not a.startswith("-")), None)
+    """The subcommand named in ``argv``: the first token that is neither an option nor the value of a global
+    option that takes one (``genartifact --config FILE plugins`` -> ``plugins``)."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _GLOBAL_VALUE_OPTIONS:
+            i += 2
+            continue
+        if not a.startswith("-"):
+            return a
+        i += 1
+    return None
 
 
 def _add_plugin_commands(sub: Any, add: Any, argv: list[str] | None) -> None:
@@ -477,6 +546,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="genartifact", description=__doc__)
     ap.add_argument("--log-json", action="store_true", help="JSON log lines instead of console output")
     ap.add_argument("--traceback", action="store_true", help="print the full traceback of any error")
+    ap.add_argument("--config", dest="global_config", metavar="CONFIG",
+                    help="TOML config for any subcommand (same as the subcommand's --config)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
@@ -548,6 +619,12 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = ap.parse_known_args(argv)
         if extra and not takes_engine_args(args):
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        glob = getattr(args, "global_config", None)
+        if glob is not None:
+            if getattr(args, "config", None) not in (None, glob):
+                ap.error(f"--config given twice with different values ({glob!r} before the subcommand, "
+                         f"{args.config!r} after it); give it once")
+            args.config = glob
         args.engine_argv = extra  # vLLM engine arguments, parsed by the engine command (engine_args.engine_kwargs)
         configure_logging(json_lines=args.log_json)
         return int(args.fn(args) or 0)

@@ -1,6 +1,10 @@
 """TOML configuration: which plugins are enabled (ordered lists) and each target kind's server-side settings.
 
-Resolution: ``--config PATH`` > ``GENARTIFACT_CONFIG`` > the embedded default (:data:`DEFAULT_TOML`).
+Resolution: ``--config PATH`` (before or after the subcommand) > ``GENARTIFACT_CONFIG`` > the embedded default
+(:data:`DEFAULT_TOML`). The embedded default names the plugins the default install (``make demo``:
+requirements-dev.txt) provides; it enables those of them that are installed, so a smaller install (core plus
+some plugins) runs on the default without errors (``genartifact plugins`` notes the ones left out). A config
+file is taken literally: a plugin it enables that is not installed is an error.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class Config:
     contents: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: the ``[engine]`` table: vLLM engine arguments (see :mod:`genartifact.engine.engine_args`), unparsed here
     engine: dict[str, Any] = field(default_factory=dict)
+    #: embedded default only: kind -> default plugin names left out because no installed distribution has them
+    not_installed: dict[str, list[str]] = field(default_factory=dict)
 
     def target_settings(self) -> dict[str, dict[str, Any]]:
         """Per enabled or configured target kind its settings table, with ``base_dir`` (str) added for
@@ -125,7 +131,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     """Load the config from ``path``, else ``GENARTIFACT_CONFIG``, else the embedded default."""
     chosen = path or os.environ.get("GENARTIFACT_CONFIG")
     if not chosen:
-        return parse(DEFAULT_TOML, source="<embedded default>", base_dir=Path.cwd())
+        return installed_default(parse(DEFAULT_TOML, source="<embedded default>", base_dir=Path.cwd()))
     p = Path(chosen)
     try:
         text = p.read_text(encoding="utf-8")
@@ -134,3 +140,28 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(f"config file {str(p)!r} is not UTF-8") from None
     return parse(text, source=str(p), base_dir=p.resolve().parent)
+
+
+def installed_default(cfg: Config, source: Any = None) -> Config:
+    """``cfg`` (the parsed embedded default) with every plugin name no installed distribution provides left
+    out of ``plugins`` and listed in ``not_installed`` (discovery only: nothing is imported). ``source``: the
+    entry-point lookup (default ``importlib.metadata``). A broken install (two distributions claiming one name)
+    keeps the name, so the error surfaces where the plugin is loaded."""
+    from dataclasses import replace
+
+    from genartifact.errors import DuplicatePluginError
+    from genartifact.host import _default_source, discover, normalize
+
+    plugins: dict[str, list[str]] = {}
+    missing: dict[str, list[str]] = {}
+    for kind, names in cfg.plugins.items():
+        try:
+            have = set(discover(kind, source or _default_source))
+        except DuplicatePluginError:
+            plugins[kind] = list(names)
+            continue
+        plugins[kind] = [n for n in names if normalize(n) in have]
+        gone = [n for n in names if normalize(n) not in have]
+        if gone:
+            missing[kind] = gone
+    return replace(cfg, plugins=plugins, not_installed=missing)

@@ -250,9 +250,12 @@ class Artifact:
     readers: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def _reader(self, name: str) -> Any:
+        """The content's reader, isolated (:class:`genartifact.host.GuardedReader`): a reader that raises or
+        returns a wrong value becomes a :class:`~genartifact.errors.PluginFault` naming its plugin."""
+        from genartifact.host import guard_reader
         from genartifact.readers import reader_for
 
-        return self.readers.get(name) or reader_for(name)
+        return guard_reader(self.readers.get(name) or reader_for(name), None, name)
 
     @property
     def contents(self) -> list[str]:
@@ -265,6 +268,10 @@ class Artifact:
     @property
     def prompt_token_count(self) -> int:
         return int(self.manifest["prompt_token_count"])
+
+    @property
+    def completion_token_count(self) -> int:
+        return int(self.manifest["completion_token_count"])
 
     @property
     def completion_token_ids(self) -> np.ndarray:
@@ -288,19 +295,24 @@ class Artifact:
             raise KeyError(name)
         own = {k: v for k, v in self.tensors.items() if k.split(".", 1)[0] == name}
         reader = self._reader(name)
-        view = getattr(reader, "view", None)
-        return view(self.manifest, self.manifest["sections"][name], own) if view is not None else own
+        return reader.view(self.manifest, self.manifest["sections"][name], own) if reader is not None else own
+
+    def content_summary(self, name: str) -> dict[str, Any]:
+        """Content ``name``'s reader ``summary(manifest, section, tensors)`` (JSON-compatible); without an
+        installed reader ``{"tensors": [names]}``. Raises :class:`~genartifact.errors.PluginFault` (naming the
+        plugin) when the reader raises or returns a non-JSON value; ``KeyError`` for an absent content."""
+        if name not in self.manifest["sections"]:
+            raise KeyError(name)
+        own = {k: v for k, v in self.tensors.items() if k.split(".", 1)[0] == name}
+        reader = self._reader(name)
+        if reader is None:
+            return {"tensors": sorted(own)}
+        return reader.summary(self.manifest, self.manifest["sections"][name], own)
 
     def summary(self) -> dict[str, Any]:
-        """Per content name its reader's ``summary(manifest, section, tensors)`` (JSON-compatible); a content
-        without an installed reader gets ``{"tensors": [names]}``."""
-        out = {}
-        for name in self.manifest["contents"]:
-            own = {k: v for k, v in self.tensors.items() if k.split(".", 1)[0] == name}
-            reader = self._reader(name)
-            fn = getattr(reader, "summary", None)
-            out[name] = fn(self.manifest, self.manifest["sections"][name], own) if fn else {"tensors": sorted(own)}
-        return out
+        """Per content name :meth:`content_summary` (raises the first reader's
+        :class:`~genartifact.errors.PluginFault`; ``genartifact inspect`` isolates them per content)."""
+        return {name: self.content_summary(name) for name in self.manifest["contents"]}
 
     def to_torch(self, name: str) -> Any:
         """Tensor ``name`` as a ``torch.Tensor`` (copy; torch needs writable memory). Imports torch lazily."""

@@ -195,6 +195,20 @@ async def acall_plugin(info: PluginInfo | None, method: str, fn: Callable[..., A
         raise fault(info, method, e) from e
 
 
+def content_section_bytes(section: Any) -> int | None:
+    """Bytes a content's manifest ``section`` adds to the decoded artifact (its canonical JSON, as the encoder
+    writes it), or None when it is not JSON-compatible. This plus the content's tensor ``nbytes`` is what
+    ``admit()`` bounds (the one over-admission rule, checked in :meth:`GuardedProducer.finalize`)."""
+    from genartifact.format import canonical_json
+
+    from genartifact.errors import ArtifactFormatError
+
+    try:
+        return len(canonical_json(section))
+    except ArtifactFormatError:
+        return None
+
+
 def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -204,7 +218,8 @@ class GuardedProducer:
 
     Checks: ``admit`` returns an int >= 0 (bytes); ``retained_bytes`` an int in ``0..admitted``; ``finalize``
     a ``(dict, list[TensorPart])`` whose tensors are named ``"<content>.<tensor>"``, are numpy arrays, and
-    total at most the admitted bytes. Documented exceptions pass through: ``AdmissionError`` from
+    whose tensor bytes plus the section's canonical-JSON bytes (:func:`content_section_bytes`) total at most
+    the admitted bytes — the one over-admission rule; a breach is a plugin fault (``internal_error``). Documented exceptions pass through: ``AdmissionError`` from
     ``admit``/``sampling_overrides``, ``CaptureError`` from ``on_delta``/``collect``/``finalize``."""
 
     def __init__(self, inner: Any, info: PluginInfo | None, name: str) -> None:
@@ -245,16 +260,20 @@ class GuardedProducer:
             raise fault(self.info, "finalize", problem=f"returned {type(res).__name__}; expected (dict section, "
                                                        f"list of TensorPart)")
         section, parts = res
-        total = 0
+        tensor_bytes = 0
         for t in parts:
             if not isinstance(t, TensorPart) or not isinstance(t.array, np.ndarray):
                 raise fault(self.info, "finalize", problem=f"tensor {t!r:.80} is not a TensorPart of a numpy array")
             if not t.name.startswith(self.name + "."):
                 raise fault(self.info, "finalize", problem=f"tensor {t.name!r} must be named '{self.name}.<tensor>'")
-            total += t.array.nbytes
+            tensor_bytes += t.array.nbytes
+        # a section JSON cannot carry is the encoder's to reject (``encode_failed``); it counts 0 here
+        section_bytes = content_section_bytes(section) or 0
+        total = tensor_bytes + section_bytes
         if self.admitted is not None and total > self.admitted:
-            raise fault(self.info, "finalize", problem=f"tensors hold {total} bytes; admit() declared at most "
-                                                       f"{self.admitted}")
+            raise fault(self.info, "finalize", problem=f"tensors ({tensor_bytes} bytes) + manifest section "
+                                                       f"({section_bytes} bytes) = {total} bytes; admit() declared "
+                                                       f"at most {self.admitted}")
         return section, parts
 
     def retained_bytes(self) -> int:
@@ -378,6 +397,66 @@ class GuardedTarget:
         return res
 
 
+class GuardedReader:
+    """A content reader as callers see it: ``summary``, ``summary_text`` and ``view`` isolated like every other
+    plugin call (an exception or a wrong return value becomes a :class:`PluginFault` naming the plugin);
+    ``validate`` is passed through unchanged (:func:`genartifact.format` already turns any non-format exception
+    of a reader into an ``ArtifactFormatError`` naming the content).
+
+    ``summary(manifest, section, tensors)`` -> JSON-compatible dict (absent: ``{"tensors": [names]}``);
+    ``summary_text(summary)`` -> one line of text (absent: the summary as sorted JSON);
+    ``view(manifest, section, tensors)`` -> the reader's typed view (absent: the tensors dict)."""
+
+    def __init__(self, inner: Any, info: PluginInfo | None, name: str) -> None:
+        self.inner, self.info, self.name = inner, info, name
+
+    def __repr__(self) -> str:
+        return f"GuardedReader({self.name!r}, {self.info.label() if self.info else '?'})"
+
+    def validate(self, manifest: Mapping[str, Any], section: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:
+        self.inner.validate(manifest, section, tensors)
+
+    def summary(self, manifest: Mapping[str, Any], section: Mapping[str, Any],
+                tensors: Mapping[str, Any]) -> dict[str, Any]:
+        import json
+
+        fn = getattr(self.inner, "summary", None)
+        if fn is None:
+            return {"tensors": sorted(tensors)}
+        res = call_plugin(self.info, "summary", fn, manifest, section, tensors)
+        try:
+            if not isinstance(res, dict):
+                raise TypeError(type(res).__name__)
+            json.dumps(res, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise fault(self.info, "summary", problem=f"returned a value that is not a JSON object ({e})") from None
+        return res
+
+    def summary_text(self, summary: Mapping[str, Any]) -> str:
+        import json
+
+        fn = getattr(self.inner, "summary_text", None)
+        if fn is None:
+            return json.dumps(summary, sort_keys=True)
+        res = call_plugin(self.info, "summary_text", fn, summary)
+        if not isinstance(res, str):
+            raise fault(self.info, "summary_text", problem=f"returned {type(res).__name__}; expected str")
+        return res
+
+    def view(self, manifest: Mapping[str, Any], section: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
+        fn = getattr(self.inner, "view", None)
+        if fn is None:
+            return tensors
+        return call_plugin(self.info, "view", fn, manifest, section, tensors)
+
+
+def guard_reader(reader: Any, info: PluginInfo | None, name: str) -> Any:
+    """``reader`` wrapped in a :class:`GuardedReader` (None and already guarded readers unchanged)."""
+    if reader is None or isinstance(reader, GuardedReader):
+        return reader
+    return GuardedReader(reader, info, name)
+
+
 _PRODUCER_METHODS = ("admit", "sampling_overrides", "on_delta", "collect", "finalize", "retained_bytes", "release")
 _TARGET_METHODS = ("validate", "deliver")
 
@@ -452,8 +531,9 @@ class Hooks:
         return res
 
     def content_reader(self, name: str) -> Any:
-        res, _ = self._call("genartifact_content_reader", {"name": name}, first=True)
-        return res
+        """The :class:`GuardedReader` of content ``name`` (or None)."""
+        res, info = self._call("genartifact_content_reader", {"name": name}, first=True)
+        return guard_reader(res, info, name)
 
     def worker_captures(self, worker: Any, settings: Mapping[str, Any]) -> list[Any]:
         """The enabled content plugins' worker captures, in config order (None results dropped). A plugin that
@@ -686,6 +766,7 @@ def load_command(name: str, parser: Any, source: EntryPointSource = _default_sou
     return handler
 
 
-__all__ = ["GROUPS", "KINDS", "GuardedProducer", "GuardedTarget", "Hooks", "PluginHost", "PluginInfo",
-           "acall_plugin", "call_plugin", "check_plugin_object", "discover", "fault", "load_command", "normalize",
+__all__ = ["GROUPS", "KINDS", "GuardedProducer", "GuardedReader", "GuardedTarget", "Hooks", "PluginHost", "PluginInfo",
+           "acall_plugin", "call_plugin", "check_plugin_object", "content_section_bytes", "discover", "fault",
+           "guard_reader", "load_command", "normalize",
            "redact"]

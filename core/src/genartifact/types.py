@@ -106,8 +106,10 @@ class ContentProducer(Protocol):
     per_step_deltas: bool
 
     def admit(self, ctx: AdmissionContext) -> int:
-        """Return the worst-case decoded bytes of this content's tensors plus its manifest section.
-        Raise :class:`~genartifact.errors.AdmissionError` if the engine cannot produce it."""
+        """Return the worst-case decoded bytes of this content's tensors (``sum(nbytes)``) plus its manifest
+        section (canonical JSON bytes, :func:`genartifact.host.content_section_bytes`). ``finalize`` is held to
+        exactly this sum by the host (a breach is a plugin fault, ``internal_error``). Raise
+        :class:`~genartifact.errors.AdmissionError` if the engine cannot produce it."""
 
     def sampling_overrides(self, params: dict[str, Any]) -> None:
         """Adjust engine sampling kwargs in place (e.g. ``logprobs=0``; ``extra_args``)."""

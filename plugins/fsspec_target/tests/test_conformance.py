@@ -38,6 +38,23 @@ class TestLocalConformance(_Base):
     @pytest.fixture(autouse=True)
     def _root(self, tmp_path):
         self.url = f"file://{tmp_path}"
+        self.root = tmp_path
+
+    def target_root(self):
+        return self.root
+
+    def fail_during_write(self, target, monkeypatch):
+        """The bytes reach the temp file, then fsync fails (ENOSPC) before the atomic publish."""
+        import errno
+        import os
+
+        def fsync(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        from genartifact.errors import DeliveryError
+
+        return DeliveryError
 
 
 class TestMemoryConformance(_Base):

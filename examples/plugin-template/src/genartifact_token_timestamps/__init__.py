@@ -23,6 +23,8 @@ from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 hookimpl = pluggy.HookimplMarker("genartifact")
 NAME = "token_timestamps"
 TENSOR = f"{NAME}.arrival_ns"
+#: headroom for the manifest section (its canonical JSON is about 40 bytes), counted against admit() like tensors
+SECTION_BYTES = 128
 
 
 class TokenTimestamps:
@@ -37,9 +39,10 @@ class TokenTimestamps:
         self._ns = array.array("q")
 
     def admit(self, ctx: AdmissionContext) -> int:
+        """Worst case: 8 bytes per completion token plus the manifest section's JSON (docs/plugins.md)."""
         self._t0 = time.monotonic_ns()
         self._max = ctx.max_tokens
-        return 8 * ctx.max_tokens
+        return 8 * ctx.max_tokens + SECTION_BYTES  # int64 per token + the manifest section (one admitted sum)
 
     def sampling_overrides(self, params: dict[str, Any]) -> None:
         """Timestamps need no change to sampling."""
