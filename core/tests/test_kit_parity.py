@@ -219,6 +219,9 @@ def test_plugins_check_builds_every_enabled_content_producer_from_its_settings(t
     good = parse('[plugins]\ncontents = ["strict"]\ntargets = []\n[contents.strict]\nwindow = 2\n', source="c",
                  base_dir=tmp_path)
     assert cli.check_settings(good) == []
+    typo = parse('[plugins]\ncontents = ["strict"]\ntargets = []\n[contents.strikt]\nwindow = 2\n', source="c",
+                 base_dir=tmp_path)
+    assert any("[contents.strikt] configures a content that is not enabled" in p for p in cli.check_settings(typo))
 
 
 # ------------------------------------------------------------------------------------------ 12: inspect

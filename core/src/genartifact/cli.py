@@ -193,7 +193,8 @@ def survey(cfg_path: str | None, *, check: bool = False) -> tuple[list[dict[str,
 def check_settings(cfg: Any) -> list[str]:
     """Load the config's plugin set together and build every enabled target *and* content producer from its
     settings (``[targets.<kind>]`` / ``[contents.<name>]`` plus ``base_dir``), as a run would; each
-    ``ConfigError`` or plugin fault is one problem naming the plugin. Content factories get a stand-in model
+    ``ConfigError`` or plugin fault is one problem naming the plugin, and so is a settings table for a plugin
+    that is not enabled (a misspelt table name would otherwise be ignored). Content factories get a stand-in model
     (:func:`genartifact.testing.model_info`, a tiny MoE description); a factory that refuses that model with
     ``AdmissionError`` (a model it cannot serve, not a settings error) is not a problem."""
     from genartifact.errors import AdmissionError
@@ -205,6 +206,12 @@ def check_settings(cfg: Any) -> list[str]:
         return [f"config {cfg.source}: {e}"]
     problems = []
     tsettings, csettings = cfg.target_settings(), cfg.content_settings()
+    for table, kind in ((cfg.contents, "contents"), (cfg.targets, "targets")):
+        on = {p.name for p in host.enabled[kind]}
+        for name in sorted(set(table) - on):
+            problems.append(f"config {cfg.source}: [{kind}.{name}] configures a {kind[:-1]} that is not enabled "
+                            f"(enabled: {sorted(on)}); fix the name, enable it in [plugins].{kind}, or remove the "
+                            f"table")
     for p in host.enabled["targets"]:
         try:
             if host.hooks.storage_target(kind=p.name, settings=tsettings.get(p.name, {})) is None:
