@@ -102,3 +102,55 @@ def test_refusals():
     with pytest.raises(groups.GroupError, match="sha256"):
         groups.sample_parts(samples, "g", {"object_id": "x"})
     assert asyncio.run(groups.aload_group([], MemTarget({}))).items == []
+
+
+class AskingTarget(MemTarget):
+    """Records the max_bytes asked for each read."""
+
+    def __init__(self, objs):
+        super().__init__(objs)
+        self.asked = {}
+
+    async def open(self, oid, max_bytes):
+        self.asked[oid] = max_bytes
+        return await super().open(oid, max_bytes)
+
+
+@pytest.mark.parametrize("prompt_ref, message", [
+    ("mem:g1/prompt", "prompt_part is str"),
+    ([1, 2], "prompt_part is list"),
+    ({"sha256": "0" * 64, "byte_count": 10}, "no object_id"),
+    ({"object_id": "mem:g1/prompt", "sha256": "0" * 64, "byte_count": "zz"}, "byte_count 'zz'"),
+    ({"object_id": "mem:g1/prompt", "sha256": 5, "byte_count": 10}, "sha256"),
+])
+def test_hostile_prompt_part_reference_fails_only_its_sample(prompt_ref, message):
+    """A sample's header is free-form JSON: a malformed header.group.prompt_part is that item's receipt error,
+    never an exception out of the whole batch."""
+    samples, part, sparts = build()
+    bad = sparts[1].input
+    header = {**bad.header, "group": {**bad.header["group"], "prompt_part": prompt_ref}}
+    encs = [fmt.encode(sp.input) for sp in sparts]
+    encs[1] = fmt.encode(fmt.ArtifactInput(bad.token_ids, bad.prompt_token_count, bad.contents, bad.sections,
+                                           bad.tensors, header))
+    objs = {"mem:g1/prompt": part.data, **{f"mem:s{k}": e.data for k, e in enumerate(encs)}}
+    recs = [{"state": "ready", "object_id": f"mem:s{k}", "sha256": e.sha256, "byte_count": e.byte_count}
+            for k, e in enumerate(encs)]
+    res = groups.load_group(recs, MemTarget(objs))
+    assert [(e.index, e.check) for e in res.errors] == [(1, "receipt")]
+    assert message in str(res.errors[0])
+    assert all(res.items[k] is not None for k in (0, 2, 3))
+
+
+def test_prompt_part_read_is_bounded_by_the_decode_limit():
+    """A reference declaring a huge byte_count must not let the read grow past the largest valid object."""
+    samples, part, sparts = build()
+    bad = sparts[0].input
+    ref = {**bad.header["group"]["prompt_part"], "byte_count": 2**62}
+    header = {**bad.header, "group": {**bad.header["group"], "prompt_part": ref}}
+    enc = fmt.encode(fmt.ArtifactInput(bad.token_ids, bad.prompt_token_count, bad.contents, bad.sections,
+                                       bad.tensors, header))
+    t = AskingTarget({"mem:g1/prompt": part.data, "mem:s0": enc.data})
+    res = groups.load_group([{"state": "ready", "object_id": "mem:s0", "sha256": enc.sha256,
+                              "byte_count": enc.byte_count}], t, max_decoded_bytes=1 << 20)
+    assert [(e.index, e.check) for e in res.errors] == [(0, "byte_count")]
+    assert t.asked["mem:g1/prompt"] <= fmt.encoded_size_bound(1 << 20) + 1

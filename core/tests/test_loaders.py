@@ -314,3 +314,41 @@ def test_forked_child_gets_a_fresh_hash_pool(parallel_hash):
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_batch_layout_argument_errors_raise_before_any_fetch():
+    enc = make()
+    t = MemTarget({"mem:a": enc.data})
+    with pytest.raises(ld.LayoutError, match="padded_prompt_len"):
+        ld.load_batch([receipt(enc)] * 2, t, layout="verl")
+    with pytest.raises(ld.LayoutError, match=r"unexpected keyword argument 'lenght'.*'length'"):
+        ld.load_batch([receipt(enc)], t, layout="nemo_rl", lenght=9)
+    assert t.asked == []
+
+
+def test_batch_callable_layout_failure_fails_only_that_item():
+    encs = [make(), make(tokens=[11, 12, 13, 14, 16])]
+    t = MemTarget({"a": encs[0].data, "b": encs[1].data})
+
+    def picky(art):
+        if art.token_ids[-1] == 16:
+            raise KeyError("boom")
+        return art.token_ids
+
+    res = ld.load_batch([receipt(encs[0], "a"), receipt(encs[1], "b")], t, layout=picky)
+    assert res.items[0] is not None and res.items[1] is None
+    assert [(e.index, e.check) for e in res.errors] == [(1, "layout")]
+    assert "layout function raised KeyError" in str(res.errors[0])
+
+
+@pytest.mark.parametrize("kw", [{"max_decoded_bytes": 0}, {"max_decoded_bytes": -1}, {"max_decoded_bytes": "1"},
+                                {"max_concurrency": "4"}, {"max_bytes_in_flight": 1.5}, {"max_decodes": True}])
+def test_batch_bounds_are_checked_up_front(kw):
+    enc = make()
+    t = MemTarget({"mem:a": enc.data})
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        ld.load_batch([receipt(enc)], t, **kw)
+    assert t.asked == []
+    if "max_decoded_bytes" in kw:
+        with pytest.raises(ValueError, match="max_decoded_bytes"):
+            ld.fetch_sync(t, receipt(enc), **kw)

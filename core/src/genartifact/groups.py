@@ -36,6 +36,8 @@ from genartifact.loaders import (
     LoadError,
     ReadableTarget,
     Routes,
+    _decoded_limit,
+    _open,
     aload_batch,
     ref_of,
     verify_bytes,
@@ -165,14 +167,32 @@ def join(prompt: fmt.Artifact, sample: fmt.Artifact) -> Routes:
     return Routes(sample.token_ids, p, s, rows, sr.router_ids, sr.expert_counts)
 
 
+def _prompt_ref(ref: Any) -> ArtifactRef:
+    """The prompt part to fetch, from a sample's ``header.group.prompt_part`` (free-form header JSON, so checked
+    like a receipt: ``object_id`` non-empty string, ``byte_count`` integer >= 0, ``sha256`` 64 lowercase hex).
+    Raises :class:`LoadError` (check ``receipt``) naming the bad field."""
+    if not isinstance(ref, Mapping):
+        raise LoadError(f"header.group.prompt_part is {type(ref).__name__}, not an object with object_id, byte_count "
+                        f"and sha256", check="receipt")
+    if not isinstance(ref.get("object_id"), str) or not ref["object_id"]:
+        raise LoadError("header.group.prompt_part has no object_id to fetch", check="receipt")
+    try:
+        return ref_of({**ref, "state": "ready"})
+    except LoadError as e:
+        raise LoadError(f"header.group.prompt_part: {e.message}", check="receipt", object_id=e.object_id) from None
+
+
 async def aload_group(items: Iterable[Mapping[str, Any] | str | ArtifactRef], target: ReadableTarget,
                       **kwargs: Any) -> BatchResult:
     """Load sample parts (receipts or ids) and return their joined :class:`~genartifact.loaders.Routes`, each
     distinct prompt part fetched once (by the ``object_id`` in the sample's reference, verified against its
     ``sha256`` and ``byte_count``). Artifacts without a group header are returned as ``Routes.of(art)``.
-    Per-item failures land in ``BatchResult.errors`` (check ``layout`` for join failures). ``kwargs`` go to
+    Per-item failures land in ``BatchResult.errors`` (check ``layout`` for join failures, ``receipt`` for a
+    malformed ``header.group.prompt_part`` reference; the prompt part read is bounded by that reference's
+    ``byte_count`` + 1 and the decode limit, like any item). ``kwargs`` go to
     :func:`~genartifact.loaders.aload_batch` (bounds, progress)."""
     items = list(items)
+    max_decoded_bytes = kwargs.get("max_decoded_bytes")
     res = await aload_batch(items, target, layout="artifact", **kwargs)
     cache: dict[str, Any] = {}
     out: list[Any] = [None] * len(res.items)
@@ -185,20 +205,14 @@ async def aload_group(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
             if not isinstance(g, dict) or g.get("role") != "sample":
                 out[i] = Routes.of(art)
                 continue
-            ref = g.get("prompt_part") or {}
-            oid = ref.get("object_id")
-            if not isinstance(oid, str):
-                raise GroupError("sample's prompt_part reference has no object_id to fetch")
-            if oid not in cache:
-                r = ArtifactRef(oid, ref.get("byte_count"), ref.get("sha256"))
-                try:
-                    cache[oid] = verify_bytes(r, await target.open(oid, int(r.byte_count or 0) + 1))
+            r = _prompt_ref(g.get("prompt_part"))
+            if r.object_id not in cache:
+                try:  # read bounded like any batch item: the reference's byte_count + 1, capped by the decode limit
+                    data = await _open(target, r, _decoded_limit(max_decoded_bytes))
+                    cache[r.object_id] = verify_bytes(r, data, max_decoded_bytes=max_decoded_bytes)
                 except LoadError as e:
-                    cache[oid] = e
-                except Exception as e:  # noqa: BLE001 - per item
-                    cache[oid] = LoadError(f"prompt part read failed ({type(e).__name__})", check="fetch",
-                                           object_id=oid)
-            part = cache[oid]
+                    cache[r.object_id] = e
+            part = cache[r.object_id]
             if isinstance(part, LoadError):
                 raise part
             out[i] = join(part, art)

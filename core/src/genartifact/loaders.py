@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -97,7 +98,8 @@ def ref_of(item: Mapping[str, Any] | str | ArtifactRef) -> ArtifactRef:
         raise LoadError(f"expected a receipt dict or an object id string, got {type(item).__name__}", check="receipt")
     oid = item.get("object_id")
     if item.get("state") != "ready":
-        raise LoadError(f"receipt state is {item.get('state')!r} ({item.get('error_code', 'no error_code')}); "
+        raise LoadError(f"receipt state is {repr(item.get('state'))[:40]} "
+                        f"({str(item.get('error_code', 'no error_code'))[:80]}); "
                         f"only 'ready' receipts have an object", check="receipt",
                         object_id=oid if isinstance(oid, str) else None)
     bc, sha = item.get("byte_count"), item.get("sha256")
@@ -162,6 +164,10 @@ def _no_running_loop(name: str, alternative: str) -> None:
 
 
 def _decoded_limit(max_decoded_bytes: int | None) -> int:
+    if max_decoded_bytes is not None and (isinstance(max_decoded_bytes, bool) or not isinstance(max_decoded_bytes, int)
+                                          or max_decoded_bytes < 1):
+        raise ValueError(f"max_decoded_bytes={max_decoded_bytes!r}; allowed: None (the configured limit) or an "
+                         f"integer number of bytes >= 1")
     if max_decoded_bytes is None:
         from genartifact.limits import max_decoded_bytes as env_limit
 
@@ -498,6 +504,11 @@ def _layout_fn(layout: str | Callable[[fmt.Artifact], Any], kwargs: Mapping[str,
     if layout not in fns:
         raise LayoutError(f"layout={layout!r}; allowed: {list(LAYOUTS)}")
     fn = fns[layout]
+    try:  # a missing or misspelt layout argument is the caller's error, found before any item is fetched
+        inspect.signature(fn).bind(None, **kwargs)
+    except TypeError as e:
+        allowed = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        raise LayoutError(f"layout {layout!r}: {e}; its keyword arguments: {allowed}") from None
     return (lambda a: fn(a, **kwargs)) if kwargs else fn
 
 
@@ -521,12 +532,16 @@ async def aload_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
     ``padded_prompt_len``, ``total_len`` for verl). ``progress``: show a tqdm bar (default: when more than 64
     items). A failing item never stops the others: it is recorded in ``BatchResult.errors``.
 
-    Raises :class:`LayoutError` for an unknown layout and ``ValueError`` for non-positive bounds.
+    Raises :class:`LayoutError` for an unknown layout or layout keyword arguments it does not take (before any
+    fetch), and ``ValueError`` for bounds that are not integers >= 1 (``max_decoded_bytes``: None or >= 1). A
+    callable ``layout`` that raises fails only that item (check ``layout``).
     """
     refs_in = list(items)
     fn = _layout_fn(layout, layout_kwargs)
-    if max_concurrency < 1 or max_bytes_in_flight < 1 or max_decodes < 1:
-        raise ValueError("max_concurrency, max_bytes_in_flight and max_decodes must be >= 1")
+    for name, v in (("max_concurrency", max_concurrency), ("max_bytes_in_flight", max_bytes_in_flight),
+                    ("max_decodes", max_decodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}; allowed: an integer >= 1")
     limit = _decoded_limit(max_decoded_bytes)
     budget, sem = _ByteBudget(max_bytes_in_flight), asyncio.Semaphore(max_concurrency)
     decoders = asyncio.Semaphore(max_decodes)
@@ -575,6 +590,9 @@ def _decode_and_layout(ref: ArtifactRef, data: bytes, fn: Callable[[fmt.Artifact
         return fn(art)
     except GenartifactError as e:
         raise LoadError(str(e), check="layout", object_id=ref.object_id) from None
+    except Exception as e:  # noqa: BLE001 - a caller's layout callable failing on one item fails only that item
+        raise LoadError(f"layout function raised {type(e).__name__}: {str(e)[:200]}", check="layout",
+                        object_id=ref.object_id) from None
 
 
 def load_batch(items: Iterable[Mapping[str, Any] | str | ArtifactRef], target: ReadableTarget, **kwargs: Any) -> BatchResult:
