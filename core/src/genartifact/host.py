@@ -199,9 +199,8 @@ def content_section_bytes(section: Any) -> int | None:
     """Bytes a content's manifest ``section`` adds to the decoded artifact (its canonical JSON, as the encoder
     writes it), or None when it is not JSON-compatible. This plus the content's tensor ``nbytes`` is what
     ``admit()`` bounds (the one over-admission rule, checked in :meth:`GuardedProducer.finalize`)."""
-    from genartifact.format import canonical_json
-
     from genartifact.errors import ArtifactFormatError
+    from genartifact.format import canonical_json
 
     try:
         return len(canonical_json(section))

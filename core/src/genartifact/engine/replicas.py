@@ -141,7 +141,7 @@ async def run_replicated(*, model: str, prompts: list[Any], cfg: config_mod.Conf
         import ray
         from ray.exceptions import RayActorError, RayTaskError
     except ImportError:
-        raise ConfigError("--replicas needs Ray: pip install 'ray>=2.50' (an optional dependency)") from None
+        raise ConfigError("--replicas needs Ray: pip install 'genartifact[ray]' (or 'ray>=2.50'; an optional dependency)") from None
     from tqdm import tqdm
 
     receipts: list[dict[str, Any] | None] = [None] * len(prompts)

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
-import os
 import hashlib
 import json
+import logging
+import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
