@@ -99,6 +99,18 @@ def test_read_receipts_last_wins_and_torn_tail(tmp_path):
     assert {i: r["state"] for i, r in got.items()} == {0: "ready", 1: "ready"}
 
 
+def test_read_receipts_line_nested_too_deeply(tmp_path):
+    """A damaged receipts line nested past the recursion limit is a RequestSpecError naming the line (was an
+    unexpected RecursionError); as the last line it is a torn tail, ignored."""
+    f = tmp_path / "r.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    f.write_text(f'{deep}\n{{"index": 1, "state": "ready"}}\n')
+    with pytest.raises(RequestSpecError, match="line 1 is not JSON"):
+        read_receipts(f)
+    f.write_text(f'{{"index": 1, "state": "ready"}}\n{deep}')
+    assert list(read_receipts(f)) == [1]
+
+
 # ---------------------------------------------------------------- real engine
 
 def _cfg(tmp_path):

@@ -348,7 +348,7 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
                 raise ValueError("not an object")
             if isinstance(r.get("generation_artifact"), dict):  # a serve response's artifact block
                 r = {"index": r.get("index", n), **r["generation_artifact"]}
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
             print(f"line {n}: not a JSON object")
             bad += 1
             continue
@@ -410,7 +410,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
                     if line.strip():
                         rec = json.loads(line)
                         receipts.append(rec.get("generation_artifact", rec) if isinstance(rec, dict) else {})
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
             raise GenartifactError(f"--receipts {path!r} cannot be read: {type(e).__name__}") from None
     deliveries = journal.deliveries()
     vouched = vouchers(deliveries, receipts)

@@ -82,19 +82,24 @@ class DeliveryJournal:
             return []
         intents: dict[str, dict[str, Any]] = {}
         last: dict[str, tuple[str, str | None]] = {}
-        with open(self.path, encoding="utf-8", newline="") as f:
-            lines = f.read().split("\n")
+        with open(self.path, "rb") as f:
+            lines = f.read().split(b"\n")
         while lines and not lines[-1].strip():
             lines.pop()
         for n, raw in enumerate(lines, 1):
             if not raw.strip():
                 continue
             try:
-                rec = json.loads(raw)
-            except json.JSONDecodeError:
+                rec = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested too deeply
                 if n == len(lines):
                     continue  # a torn last line from a crash mid-append
                 raise ConfigError(f"journal {self.path}:{n} is not JSON") from None
+            problem = _record_problem(rec)
+            if problem:
+                if n == len(lines):
+                    continue
+                raise ConfigError(f"journal {self.path}:{n}: {problem}")
             if rec.get("event") == "intent":
                 intents[rec["id"]] = rec
             elif rec.get("event") == "outcome":
@@ -106,6 +111,26 @@ class DeliveryJournal:
         """Deliveries that may have left an object nobody was told about: no outcome, ``interrupted``, or
         ``failed`` with an ambiguous code (not in :data:`NOT_STORED_CODES`); oldest first."""
         return [d for d in self.deliveries() if _needs_check(d)]
+
+
+_INTENT_FIELDS = {"id": str, "kind": str, "object_id": str, "sha256": str, "t": (int, float), "byte_count": int}
+_OUTCOME_FIELDS = {"id": str, "state": str, "t": (int, float)}
+
+
+def _record_problem(rec: Any) -> str | None:
+    """What is wrong with one parsed journal line (a damaged file: zero-filled blocks after a power loss,
+    a foreign writer), or None when it is a well-formed intent/outcome record or another event (ignored)."""
+    if not isinstance(rec, dict):
+        return f"record is a JSON {type(rec).__name__}, not an object"
+    event = rec.get("event")
+    fields = {"intent": _INTENT_FIELDS, "outcome": _OUTCOME_FIELDS}.get(event) if isinstance(event, str) else None
+    if fields is None:
+        return None  # another event (a later version's note): ignored, as before
+    for key, typ in fields.items():
+        v = rec.get(key)
+        if isinstance(v, bool) or not isinstance(v, typ):
+            return f"{rec['event']} field {key!r} is {type(v).__name__}; expected {getattr(typ, '__name__', 'number')}"
+    return None
 
 
 def _needs_check(d: Mapping[str, Any]) -> bool:

@@ -178,3 +178,46 @@ def test_rounds_pool_samples_and_recompute_the_estimate():
     assert c["estimate"]["raw_sample_indices"] == list(range(6)) and c["estimate"]["noisy"]
     f = combine_rounds([rec([1.0]), rec([], status="failed")])
     assert f["status"] == "failed" and "boom" in f["error"] and f["rounds"][1]["status"] == "failed"
+
+
+@pytest.mark.parametrize("content, reason", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("x" * (2 << 20), "larger than 1048576 bytes"),
+    (b"\xff\xfe{}", "UnicodeDecodeError"),
+])
+def test_hostile_json_inputs_are_fit_errors_with_a_bounded_read(tmp_path, monkeypatch, content, reason):
+    """Artifacts, models and points files are read at most MAX_JSON_BYTES + 1 bytes (``bench fit /dev/zero``
+    used to read until the OOM killer came) and never raise RecursionError (was exit 3)."""
+    from genartifact_fpm_bench import artifact as artmod
+    from genartifact_fpm_bench.grid import GridError, Limits, load_points
+    from genartifact_fpm_bench.report import report
+
+    monkeypatch.setattr(artmod, "MAX_JSON_BYTES", 1 << 20)
+    p = tmp_path / "in.json"
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(FitError, match=f"cannot read artifact \\({reason}"):
+        fitmod.load_artifact(p)
+    with pytest.raises(FitError, match=f"cannot read model \\({reason}"):
+        StepModel.load(p)
+    with pytest.raises(FitError, match=reason):
+        report(p, tmp_path / "out")
+    with pytest.raises(GridError, match=reason):
+        load_points(p, Limits(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, kv_capacity_tokens=1024,
+                              block_size=16, prefix_caching=False))
+
+
+def test_bench_fit_on_a_device_file_is_refused():
+    import shutil
+
+    proc = subprocess.run([shutil.which("genartifact") or "genartifact", "bench", "fit", "/dev/zero", "--out",
+                           "/nonexistent/m.json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "larger than" in proc.stderr, proc.stderr
+
+
+def test_report_of_a_foreign_json_is_a_clean_error(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text("[1, 2]")
+    from genartifact_fpm_bench.report import report
+
+    with pytest.raises(FitError, match="not a genartifact.fpm_bench.rank"):
+        report(p, tmp_path / "out")

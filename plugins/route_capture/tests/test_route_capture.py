@@ -112,3 +112,15 @@ def test_recorder_ignores_padding_rows_and_unflagged_steps():
     assert rec.reqs == {} and rec.steps == 0
     step(rec, [("A", 0, 2)], {1: rows_for(0, 2) + [[7, 7]] * 6, 3: rows_for(1, 2) + [[7, 7]] * 6})
     assert rec.fetch("A", 0, 2)["missing"] is None
+
+
+def test_replay_check_receipts_line_nested_too_deeply_is_listed_not_raised(tmp_path):
+    """A receipts line of JSON nested past the recursion limit is that line's error (was RecursionError out of
+    the whole command, exit 3); the other lines are still read."""
+    from genartifact_route_capture.replay_check import _load_inputs
+
+    p = tmp_path / "r.jsonl"
+    p.write_text("[" * 100_000 + "]" * 100_000 + '\n{"state": "failed", "error_code": "timeout"}\n')
+    out = _load_inputs([str(p)], None)
+    assert [lab for lab, _ in out] == [f"{p}:1", f"{p}:2"]
+    assert out[0][1] == "receipt is not JSON: nested too deeply"

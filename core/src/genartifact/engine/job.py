@@ -221,7 +221,7 @@ def read_receipts(path: str | Path) -> dict[int, dict[str, Any]]:
             continue
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             if n == len(lines):
                 continue
             raise RequestSpecError(f"receipts file {str(path)!r} line {n} is not JSON") from None

@@ -66,11 +66,40 @@ def engine_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     return [".".join(k) for k in keys if not any(k[: len(i)] == i for i in ENGINE_IGNORED) and fa.get(k) != fb.get(k)]
 
 
+#: Largest JSON file (bytes) the bench commands read: rank/merged artifacts, models, points files. A device or
+#: a huge file is refused after reading this much, never read whole into memory.
+MAX_JSON_BYTES = 256 << 20
+
+
+class JSONFileError(ValueError):
+    """A JSON input file that cannot be used; ``str()`` is the reason (exception type name, "larger than N
+    bytes" or "nested too deeply")."""
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """Parse the JSON file ``path``, reading at most :data:`MAX_JSON_BYTES` + 1 bytes. Raises
+    :class:`JSONFileError` for unreadable (``OSError``), oversized, non-UTF-8, malformed or too deeply nested
+    input — never ``RecursionError``/``MemoryError``."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+    except OSError as e:
+        raise JSONFileError(type(e).__name__) from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise JSONFileError(f"larger than {MAX_JSON_BYTES} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except ValueError as e:
+        raise JSONFileError(type(e).__name__) from None
+    except RecursionError:
+        raise JSONFileError("nested too deeply") from None
+
+
 def load_rank(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise MergeError(f"{path}: cannot read rank artifact ({type(e).__name__})") from None
+        doc = read_json(path)
+    except JSONFileError as e:
+        raise MergeError(f"{path}: cannot read rank artifact ({e})") from None
     if not isinstance(doc, dict) or doc.get("schema") != RANK_SCHEMA or doc.get("schema_version") != SCHEMA_VERSION:
         raise MergeError(f"{path}: not a {RANK_SCHEMA} v{SCHEMA_VERSION} artifact (legacy or foreign); "
                          f"got schema={doc.get('schema') if isinstance(doc, dict) else None!r} "

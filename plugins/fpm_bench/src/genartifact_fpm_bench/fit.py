@@ -54,7 +54,15 @@ from typing import Any
 
 import numpy as np
 
-from genartifact_fpm_bench.artifact import ENGINE_IGNORED, MERGED_SCHEMA, RANK_SCHEMA, SCHEMA_VERSION, engine_diff
+from genartifact_fpm_bench.artifact import (
+    ENGINE_IGNORED,
+    MERGED_SCHEMA,
+    RANK_SCHEMA,
+    SCHEMA_VERSION,
+    JSONFileError,
+    engine_diff,
+    read_json,
+)
 from genartifact_fpm_bench.runner import NOISY_CV
 
 MODEL_SCHEMA = "genartifact.fpm_bench.step_model"
@@ -142,9 +150,9 @@ def recomputed_cv(rec: Mapping[str, Any]) -> float | None:
 def load_artifact(path: str | Path) -> dict[str, Any]:
     """A rank or merged FPM benchmark artifact (v1). Raises :class:`FitError` for anything else."""
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise FitError(f"{path}: cannot read artifact ({type(e).__name__})") from None
+        doc = read_json(path)
+    except JSONFileError as e:
+        raise FitError(f"{path}: cannot read artifact ({e})") from None
     if (not isinstance(doc, dict) or doc.get("schema") not in (RANK_SCHEMA, MERGED_SCHEMA)
             or doc.get("schema_version") != SCHEMA_VERSION):
         raise FitError(f"{path}: not a {RANK_SCHEMA} or {MERGED_SCHEMA} v{SCHEMA_VERSION} artifact")
@@ -451,9 +459,9 @@ class StepModel:
     def load(cls, path: str | Path) -> StepModel:
         """Load a model JSON; raises :class:`FitError` for a foreign schema or version."""
         try:
-            doc = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise FitError(f"{path}: cannot read model ({type(e).__name__})") from None
+            doc = read_json(path)
+        except JSONFileError as e:
+            raise FitError(f"{path}: cannot read model ({e})") from None
         return cls(doc)
 
     def selected(self, phase: str) -> str:

@@ -165,10 +165,12 @@ def build_grid(limits: Limits, mode: str, *, max_points: int = 64, repeats: int 
 def load_points(path: str | Path, limits: Limits, repeats: int = 3) -> list[Point]:
     """Explicit points file: JSON ``{"points": [{"phase", "batch", "tokens"?, "kv"?, "context"?}, ...]}``.
     Every point must be feasible (raises :class:`GridError` naming the point and the limit)."""
+    from genartifact_fpm_bench.artifact import JSONFileError, read_json
+
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise GridError(f"points file {str(path)!r} cannot be read as JSON: {type(e).__name__}") from None
+        raw = read_json(path)
+    except JSONFileError as e:
+        raise GridError(f"points file {str(path)!r} cannot be read as JSON: {e}") from None
     if not isinstance(raw, Mapping) or not isinstance(raw.get("points"), list) or not raw["points"]:
         raise GridError("points file must be an object with a non-empty 'points' list")
     pts = []

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping
@@ -78,9 +77,9 @@ def report(artifact: str | Path, out_dir: str | Path, model: str | Path | None =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from genartifact_fpm_bench.fit import StepModel
+    from genartifact_fpm_bench.fit import StepModel, load_artifact
 
-    doc = json.loads(Path(artifact).read_text(encoding="utf-8"))
+    doc = load_artifact(artifact)  # bounded read; a foreign or malformed file is a FitError naming it
     step = StepModel.load(model) if model else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -201,6 +201,8 @@ def _load_inputs(refs: Sequence[str], config: str | None) -> list[tuple[str, Any
                         items.append((f"{ref}:{n}", json.loads(line)))
                     except json.JSONDecodeError as e:
                         items.append((f"{ref}:{n}", f"receipt is not JSON: {e.msg}"))
+                    except RecursionError:
+                        items.append((f"{ref}:{n}", "receipt is not JSON: nested too deeply"))
             ready = [i for i, (_, r) in enumerate(items) if isinstance(r, dict) and r.get("state") == "ready"]
             res = loaders.load_batch([items[i][1] for i in ready], get_target()) if ready else None
             loaded = {}
