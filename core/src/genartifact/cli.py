@@ -70,29 +70,40 @@ def _read_object(ref: str, cfg_path: str | None) -> bytes:
     valid object size. Raises :class:`GenartifactError` with a clean message for anything missing or unreadable."""
     import asyncio
 
+    if not ref:
+        raise GenartifactError(f"object reference is empty: give a {REF_HELP}")
     try:
         p = Path(ref)
         if p.exists():
             if p.is_dir():
-                raise GenartifactError(f"{ref!r} is a directory, not an artifact")
+                raise GenartifactError(f"{_shown(ref)!r} is a directory, not an artifact")
             with p.open("rb") as f:
-                return _read_capped(f, ref)
+                return _read_capped(f, _shown(ref))
         if "://" in ref:
             try:
                 import fsspec
             except ImportError:
                 raise GenartifactError("reading URLs needs the fsspec package (pip install fsspec)") from None
             with fsspec.open(ref, "rb") as f:
-                return _read_capped(f, _safe(ref.split("?", 1)[0]))
+                return _read_capped(f, _shown(ref))
         kr = split_ref(ref)
         if kr is not None:
             target = _target_for_kind(kr[0], cfg_path)
             return asyncio.run(_aread(target, kr[1], ref))
     except GenartifactError:
         raise
-    except (OSError, ValueError) as e:
-        raise GenartifactError(f"object {_safe(ref.split('?', 1)[0])!r} cannot be read: {type(e).__name__}") from None
-    raise GenartifactError(f"object {_safe(ref)!r} not found: give a {REF_HELP}")
+    except Exception as e:  # noqa: BLE001 - any storage backend's error (botocore NoCredentialsError, ClientError, ...)
+        # is a clean "cannot be read" (exit 2); its type only: provider text may echo signed URLs or credentials
+        raise GenartifactError(f"object {_shown(ref)!r} cannot be read: {type(e).__name__}") from None
+    raise GenartifactError(f"object {_shown(ref)!r} not found: give a {REF_HELP}")
+
+
+def _shown(ref: str) -> str:
+    """An object reference as errors show it: URL user-info and query (credentials, presigned signatures)
+    redacted, control characters escaped, at most 200 characters."""
+    from genartifact.host import redact
+
+    return _safe(redact(ref, 200))
 
 
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
