@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 
+import numpy as np
 import pytest
 from genartifact import config as config_mod
 from genartifact.cli import main
@@ -100,10 +101,12 @@ def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
         (("--run-id", "../../escape"), "--run-id '../../escape' invalid"),
         (("--out", str(tmp_path)), "already exists"),
         (("--target", '{"kind": '), "--target is not valid JSON"),
+        (("--contents", "moe_route"), "did you mean 'moe_routes'"),  # a typo fails before any receipt
     ]
     for extra, match in cases:
         assert _generate(tmp_path, *extra) == 2
         assert match in capsys.readouterr().err
+    assert not (tmp_path / "artifacts").exists()  # nothing written for any of them
     (tmp_path / "artifacts/runs/r1").mkdir(parents=True)
     (tmp_path / "artifacts/runs/r1/receipts.jsonl").write_text("precious\n")
     assert _generate(tmp_path, "--run-id", "r1") == 2
@@ -158,6 +161,28 @@ def test_verify_receipts_counts_bad_lines(tmp_path, capsys):
     assert main(["verify", "--receipts", str(r)]) == 1
     out = capsys.readouterr().out
     assert "0/4 receipts verified" in out
+
+
+def test_verify_receipts_after_resume_the_last_line_of_an_index_wins(tmp_path, capsys):
+    """``generate --resume`` appends: an index's earlier receipt is superseded by its later one, not a failure."""
+    from genartifact import format as fmt
+
+    data = fmt.encode(fmt.ArtifactInput(np.arange(4, dtype=np.uint32), 2, [], {}, [])).data
+    (tmp_path / "o.gart").write_bytes(data)
+    import hashlib
+
+    ready = {"index": 0, "state": "ready", "target": "managed_fsspec", "object_id": "local:o.gart",
+             "sha256": hashlib.sha256(data).hexdigest(), "byte_count": len(data)}
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[plugins]\ncontents = []\ntargets = ["managed_fsspec"]\n'
+                   f'[targets.managed_fsspec.profiles.local]\nurl = "{tmp_path}"\nallowed_prefixes = [""]\n')
+    r = tmp_path / "r.jsonl"
+    r.write_text(json.dumps({"index": 0, "state": "failed", "error_code": "interrupted"}) + "\n"
+                 + json.dumps({"index": 1, "state": "rejected", "error_code": "request_invalid"}) + "\n"
+                 + json.dumps(ready) + "\n")
+    assert main(["verify", "--receipts", str(r), "--config", str(cfg)]) == 1  # index 1 is still not ready
+    out = capsys.readouterr().out
+    assert "#0: superseded by line 3" in out and "1/2 receipts verified" in out
 
 
 def test_verify_sha_format_and_decode_only(tmp_path, capsys):

@@ -408,7 +408,7 @@ async def test_pipeline_concurrency_bounded_and_cancellation_semantics(host, mon
 
 def test_config_default_and_errors(tmp_path):
     cfg = parse(DEFAULT_TOML, source="default", base_dir=tmp_path)
-    assert cfg.plugins["contents"] == ["moe_routes", "selected_logprobs", "top_logprobs"]
+    assert cfg.plugins["contents"] == ["moe_routes", "selected_logprobs"]
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['sinks'\] in \[plugins\]"):
         parse("[plugins]\nsinks=[]", source="x", base_dir=tmp_path)
     with pytest.raises(ConfigError, match="lists a name twice"):

@@ -339,19 +339,33 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
         raise GenartifactError(f"receipts file {path!r} cannot be read: {type(e).__name__}") from None
     import asyncio
 
-    bad = 0
+    bad = checked = 0
     targets: dict[str, Any] = {}
+    parsed: list[Any] = []
+    last_line: dict[int, int] = {}  # a generate receipt's index -> its last line (`generate --resume` appends)
     for n, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
+            r = None
+        parsed.append(r)
+        if isinstance(r, dict) and "generation_artifact" not in r and type(r.get("index")) is int:
+            last_line[r["index"]] = n
+    for n, r in enumerate(parsed, 1):
+        try:
             if not isinstance(r, dict):
                 raise ValueError("not an object")
             if isinstance(r.get("generation_artifact"), dict):  # a serve response's artifact block
                 r = {"index": r.get("index", n), **r["generation_artifact"]}
-        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
+            elif type(r.get("index")) is int and last_line[r["index"]] != n:
+                print(f"#{r['index']}: superseded by line {last_line[r['index']]}")
+                continue
+        except ValueError:
             print(f"line {n}: not a JSON object")
+            checked += 1
             bad += 1
             continue
+        checked += 1
         label = f"#{_safe(r.get('index', n))}"
         if r.get("state") != "ready":
             print(f"{label}: {_safe(r.get('state'))} {_safe(r.get('error_code'))}")
@@ -377,7 +391,7 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
         except GenartifactError as e:
             print(f"{label}: {_safe(r['object_id'])}: {_safe(e)}")
             bad += 1
-    print(f"{len(lines) - bad}/{len(lines)} receipts verified (sha256, byte_count, strict decode)")
+    print(f"{checked - bad}/{checked} receipts verified (sha256, byte_count, strict decode)")
     return 0 if bad == 0 else 1
 
 

@@ -22,7 +22,7 @@ from genartifact.host import KINDS
 DEFAULT_TOML = """\
 # genartifact embedded default configuration
 [plugins]
-contents = ["moe_routes", "selected_logprobs", "top_logprobs"]
+contents = ["moe_routes", "selected_logprobs"]
 targets = ["managed_fsspec"]
 probes = []
 

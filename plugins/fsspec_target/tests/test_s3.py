@@ -230,16 +230,6 @@ def test_read_back_protocol_on_s3(s3_server):
     assert asyncio.run(t.exists(oid)) is False
 
 
-def test_presigned_target_is_not_readable():
-    from genartifact.errors import TargetNotReadableError
-    from genartifact_http_put_target import PresignedHttpPutTarget, PresignedSettings
-
-    t = PresignedHttpPutTarget(PresignedSettings.parse({"allowed_hosts": ["b.example.com"]}))
-    for call in (t.open("id", 10), t.exists("id"), t.delete("id", "0" * 64)):
-        with pytest.raises(TargetNotReadableError, match="write-only"):
-            asyncio.run(call)
-
-
 @pytest.mark.parametrize("attempts", [1, 3])
 def test_max_attempts_is_the_number_of_puts_sent(s3_server, attempts):
     """docs/storage.md: max_attempts is botocore's total attempts. A store answering 503 receives exactly

@@ -451,3 +451,13 @@ def test_status_ranges(fault_server, status, code):
     with pytest.raises(DeliveryError) as e:
         put(t, grant(url=fault_server.url(f"/code{status}/k")))
     assert e.value.code == code
+
+
+def test_presigned_target_is_not_readable():
+    from genartifact.errors import TargetNotReadableError
+    from genartifact_http_put_target import PresignedHttpPutTarget, PresignedSettings
+
+    t = PresignedHttpPutTarget(PresignedSettings.parse({"allowed_hosts": ["b.example.com"]}))
+    for call in (t.open("id", 10), t.exists("id"), t.delete("id", "0" * 64)):
+        with pytest.raises(TargetNotReadableError, match="write-only"):
+            asyncio.run(call)

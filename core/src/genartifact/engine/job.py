@@ -538,6 +538,8 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     if not RUN_ID.fullmatch(run_id):
         raise RequestSpecError(f"--run-id {run_id!r} invalid; allowed: 1..128 of [A-Za-z0-9_.-], starting alphanumeric")
     host = cfg.host()
+    for c in contents:  # a typo in --contents fails now, not as one rejected receipt per row
+        host.require("contents", c, "--contents")
     check_target_tables(cfg, host)  # plugin and target settings fail now
     target_for(args.target, run_id, 0, host)  # and a malformed --target
     model = Path(args.model)

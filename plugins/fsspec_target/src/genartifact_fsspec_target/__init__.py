@@ -622,13 +622,18 @@ def _client_error(e: Exception) -> tuple[int | None, str]:
     return resp.get("ResponseMetadata", {}).get("HTTPStatusCode"), str(resp.get("Error", {}).get("Code", ""))
 
 
+def _is_not_found(e: Exception) -> bool:
+    """An S3 client error that means "no object at the key" (404 / NoSuchKey / NotFound)."""
+    status, code = _client_error(e)
+    return status == 404 or code in ("404", "NoSuchKey", "NotFound")
+
+
 async def _s3_size(client: Any, prof: Profile, key: str) -> int | None:
     """HEAD: the stored size in bytes, or None when there is no object."""
     try:
         head = await client.head_object(Bucket=_bucket(prof), Key=_s3_key(prof, key))
     except Exception as e:
-        status, code = _client_error(e)
-        if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
+        if _is_not_found(e):
             return None
         raise
     return int(head["ContentLength"])
@@ -640,8 +645,7 @@ async def _s3_read(client: Any, prof: Profile, key: str, max_bytes: int, hasher:
     try:
         resp = await client.get_object(Bucket=_bucket(prof), Key=_s3_key(prof, key))
     except Exception as e:
-        status, code = _client_error(e)
-        if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
+        if _is_not_found(e):
             return None
         raise
     body = resp["Body"]
