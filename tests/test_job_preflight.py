@@ -56,6 +56,15 @@ def test_target_template_placeholders():
         target_for('{"kind": "managed_fsspec", "profile": "p", "object_key": "runs/{foo}.gart"}', "r", 0)
 
 
+@pytest.mark.parametrize("key", ["runs/{index:>3000000000}.gart",   # a format spec: a 3 GB string per row
+                                 "runs/{run_id.__class__.__mro__}",  # attribute access
+                                 "runs/{run_id[0]}", "runs/{run_id!r}", "runs/{}", "runs/{0}", "runs/{"])
+def test_target_template_allows_bare_placeholders_only(key):
+    with pytest.raises(RequestSpecError, match="object_key: only the placeholders"):
+        target_for(json.dumps({"kind": "managed_fsspec", "profile": "p", "object_key": key}), "r", 0)
+    assert target_for('{"kind": "k", "a": "{{x}}-{index}-{run_id}"}', "r", 7)["a"] == "{x}-00007-r"
+
+
 def test_spec_normalizes_and_rejects_names():
     assert parse_request({"format": "generation_artifact_v1", "contents": ["moe-routes"],
                           "delivery": {"mode": "object_store", "target": {"kind": "k"}}}).contents == ("moe_routes",)

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import signal
+import string
 import sys
 import time
 import uuid
@@ -230,6 +231,26 @@ def read_receipts(path: str | Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _fill_template(key: str, template: str, values: Mapping[str, str]) -> str:
+    """``template`` with each bare ``{name}`` replaced by ``values[name]``. Only bare placeholders: no attribute or
+    item access (``{run_id.__class__}``), conversion (``!r``) or format spec (``{index:>3000000000}`` would build
+    a 3 GB string). Raises :class:`RequestSpecError` naming ``key``."""
+    bad = RequestSpecError(f"--target {key}: only the placeholders {{run_id}} and {{index}} are allowed (write "
+                           f"literal braces as {{{{ and }}}})")
+    out: list[str] = []
+    try:
+        for literal, field, spec, conv in string.Formatter().parse(template):
+            out.append(literal)
+            if field is None:
+                continue
+            if field not in values or spec or conv is not None:
+                raise bad
+            out.append(values[field])
+    except ValueError:  # unbalanced braces
+        raise bad from None
+    return "".join(out)
+
+
 def target_for(arg: str, run_id: str, index: int, host: PluginHost | None = None) -> dict[str, Any]:
     """``--target``: a JSON target object, or ``KIND:VALUE`` shorthand expanded by the target plugin of KIND
     (``genartifact_target_shorthand``; e.g. ``managed_fsspec:PROFILE`` -> key ``runs/<run_id>/<index>.gart``).
@@ -244,13 +265,10 @@ def target_for(arg: str, run_id: str, index: int, host: PluginHost | None = None
             raise RequestSpecError(f"--target is not valid JSON: {getattr(e, 'msg', e)}") from None
         if not isinstance(t, dict):
             raise RequestSpecError("--target JSON must be an object")
+        values = {"run_id": run_id, "index": f"{index:05d}"}
         for k, v in t.items():
             if isinstance(v, str) and k != "kind":
-                try:
-                    t[k] = v.format(run_id=run_id, index=f"{index:05d}")
-                except (KeyError, IndexError, ValueError, AttributeError):
-                    raise RequestSpecError(f"--target {k}: only the placeholders {{run_id}} and {{index}} are "
-                                           f"allowed (write literal braces as {{{{ and }}}})") from None
+                t[k] = _fill_template(k, v, values)
         return t
     kind, _, value = arg.partition(":")
     kind = kind.strip().replace("-", "_")
