@@ -327,9 +327,49 @@ class GenartifactWorkerExtension:
         return _dispatch(self, method, *args)
 
 
+_parent_watch: list[Any] = []
+
+
+def exit_with_parent() -> bool:
+    """In a process started by :mod:`multiprocessing` (vLLM's engine core, its workers), end this process when
+    the process that started it dies — even by SIGKILL, which gives it no chance to shut its engine down. Without
+    it a killed ``generate``/``serve`` (or test run) left ``VLLM::EngineCore`` and ``VLLM::Worker`` running,
+    holding their memory, orphaned to init. A daemon thread waits on the parent's sentinel (the pipe
+    :mod:`multiprocessing` gives every child; it becomes readable when the parent exits) and then calls
+    ``os._exit(70)``; a worker whose engine core ends this way follows it. Not ``PR_SET_PDEATHSIG``: that fires
+    when the parent's *thread* that spawned the child exits, and engines may be started from any thread.
+    Returns True when armed (once per process); False in a process without a multiprocessing parent (the main
+    process, Ray actors)."""
+    import multiprocessing
+    import threading
+
+    if _parent_watch:
+        return True
+    parent = multiprocessing.parent_process()
+    sentinel = getattr(parent, "sentinel", None)
+    if parent is None or sentinel is None:
+        return False
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        try:
+            wait([sentinel])
+        except (OSError, ValueError):  # the sentinel was closed under us: no way to tell; stay up
+            return
+        os._exit(70)
+
+    t = threading.Thread(target=watch, name="genartifact-exit-with-parent", daemon=True)
+    t.start()
+    _parent_watch.append(t)
+    return True
+
+
 def register_vllm_plugin() -> None:
     """``vllm.general_plugins`` entry point (runs in every vLLM process): attach ``genartifact_call`` to
-    ``vllm.v1.worker.worker_base.WorkerBase`` when absent. Passive: nothing runs until the init RPC."""
+    ``vllm.v1.worker.worker_base.WorkerBase`` when absent, and in vLLM's child processes
+    :func:`exit_with_parent`. Passive otherwise: nothing runs until the init RPC."""
+    exit_with_parent()
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except Exception:  # noqa: BLE001 - a vLLM without that module: the extension fallback applies
