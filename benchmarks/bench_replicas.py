@@ -38,7 +38,7 @@ async def one(model: str, rows: int, max_tokens: int, replicas: int, inflight: i
     receipts, reports = await run_replicated(
         model=model, prompts=prompts, cfg=config_mod.load(cfg_path), contents=["moe_routes", "selected_logprobs"],
         target="managed_fsspec:local", max_tokens=max_tokens, run_id=f"bench-x{replicas}", engine_kwargs={},
-        replicas=replicas, max_inflight=inflight, progress=False)
+        replicas=replicas, max_inflight=inflight, progress=False, start_together=True)
     wall = time.perf_counter() - t0
     ready = sum(r["state"] == "ready" for r in receipts)
     start = max(r.start_s or 0.0 for r in reports)

@@ -156,7 +156,10 @@ def test_sigint_drains_writes_every_receipt_and_resume_completes(qwen_model, tmp
     assert sorted(got) == list(range(7))  # every row has a receipt
     assert got[2]["state"] == "rejected" and got[2]["error_code"] == "request_invalid"
     assert all(got[i]["state"] == "ready" for i in (0, 1, 3))
-    assert {got[i]["error_code"] for i in (4, 5, 6)} == {"interrupted"}
+    # the long rows were generating at SIGINT; one may still have ended first (the tiny model can emit EOS
+    # early), so each is interrupted or ready, and at least one was interrupted
+    assert all(got[i]["state"] == "ready" or got[i]["error_code"] == "interrupted" for i in (4, 5, 6))
+    assert any(got[i].get("error_code") == "interrupted" for i in (4, 5, 6))
     assert "--resume" in log
     assert not [p for p in (tmp_path / "store").rglob(".genartifact-tmp-*")]
     # resume: only the interrupted rows run again; nothing fails with object_exists

@@ -61,7 +61,7 @@ def test_generate_with_two_replicas_on_ray_to_s3(cluster, s3_server, qwen_model,
     proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "generate", "--config", str(cfg), "--model",
                            str(qwen_model), "--prompts", str(prompts), "--target", "managed_fsspec:s3", "--out",
                            str(out), "--replicas", "2", "--ray", cluster, "--max-inflight", "2",
-                           "--max-num-seqs", "4"],
+                           "--max-num-seqs", "4", "--start-together"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     receipts = [json.loads(x) for x in out.read_text().splitlines()]
@@ -94,7 +94,7 @@ async def test_a_dead_replica_fails_only_its_in_flight_rows(cluster, s3_server, 
     receipts, reports = await run_replicated(
         model=str(qwen_model), prompts=rows, cfg=config_mod.load(cfg_path), contents=["moe_routes"],
         target="managed_fsspec:s3", max_tokens=40, run_id="dead-replica", engine_kwargs={"max_num_seqs": 4},
-        replicas=2, max_inflight=2, progress=False, on_receipt=on_receipt)
+        replicas=2, max_inflight=2, progress=False, on_receipt=on_receipt, start_together=True)
     assert killed, "replica 1 never finished a row"
     assert [r["index"] for r in receipts] == list(range(len(rows)))
     assert reports[1].died and "replica 1 died" in reports[1].died and reports[0].died is None

@@ -614,6 +614,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=None, help="N engine replicas as Ray actors (needs ray)")
     p.add_argument("--ray", default=None, metavar="ADDRESS", help="Ray cluster for --replicas (default: a private one)")
     p.add_argument("--max-inflight", type=int, default=8, help="rows in flight per replica (--replicas)")
+    p.add_argument("--start-together", action="store_true",
+                   help="--replicas: deal rows only once every replica's engine has started (even sharding, e.g. "
+                        "for benchmarks); default: each replica takes rows as soon as its engine is up")
     accept_engine_args(p)  # plus vLLM's own engine arguments (parsed lazily: genartifact.engine.engine_args)
     p = add("serve", cmd_serve, "OpenAI-compatible + token-in/out HTTP server; requests may ask for artifacts")
     p.add_argument("--model", required=True, help="local model directory")

@@ -592,7 +592,8 @@ def run_generate_cli(args: argparse.Namespace) -> int:
             receipts = run_generate_replicated(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
                                                target=args.target, max_tokens=args.max_tokens, run_id=run_id,
                                                engine_kwargs=kwargs, writer=writer, replicas=replicas,
-                                               ray_address=args.ray, max_inflight=args.max_inflight)
+                                               ray_address=args.ray, max_inflight=args.max_inflight,
+                                               start_together=args.start_together)
         else:
             receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
                                                 target=args.target, max_tokens=args.max_tokens, run_id=run_id,

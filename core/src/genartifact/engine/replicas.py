@@ -121,6 +121,7 @@ async def run_replicated(*, model: str, prompts: list[Any], cfg: config_mod.Conf
                          ray_address: str | None = None, max_inflight: int = 8, progress: bool = True,
                          actor_options: Mapping[str, Any] | None = None,
                          on_receipt: Callable[[dict[str, Any]], None] | None = None,
+                         start_together: bool = False,
                          ) -> tuple[list[dict[str, Any]], list[ReplicaReport]]:
     """Run the job on ``replicas`` engine replicas (Ray actors); returns one receipt per prompt in input order
     and one :class:`ReplicaReport` per replica.
@@ -128,6 +129,8 @@ async def run_replicated(*, model: str, prompts: list[Any], cfg: config_mod.Conf
     :param replicas: number of engine replicas (>= 1).
     :param ray_address: a Ray cluster to connect to (``ray.init(address=...)``); None starts a private local one.
     :param max_inflight: rows in flight per replica (>= 1): the bound on what one replica's death can fail.
+    :param start_together: deal rows only once every replica's engine has started (or failed to): even sharding
+        for benchmarks and tests. Default False: each replica takes rows as soon as its own engine is up.
     :param actor_options: extra ``ray.remote`` options per replica actor (e.g. ``{"num_gpus": 1}``); the
         default asks for one CPU (``num_cpus=1``).
     :param on_receipt: called with each receipt as it arrives (any order), e.g. for progress.
@@ -168,6 +171,15 @@ async def run_replicated(*, model: str, prompts: list[Any], cfg: config_mod.Conf
         queue.put_nowait(i)
     bar = tqdm(total=len(specs), desc=f"generate x{replicas}", unit="req", disable=not progress)
 
+    settled = 0  # replicas whose start finished (started or failed)
+    all_settled = asyncio.Event()
+
+    def settle() -> None:
+        nonlocal settled
+        settled += 1
+        if settled == replicas:
+            all_settled.set()
+
     async def replica(k: int) -> None:
         rep, actor = reports[k], actors[k]
         t0 = time.perf_counter()
@@ -177,8 +189,12 @@ async def run_replicated(*, model: str, prompts: list[Any], cfg: config_mod.Conf
             rep.died = _died(k, e)
             log.error("replica_died", replica=k, during="start", error=rep.died)
             return
+        finally:
+            settle()
         rep.start_s = round(time.perf_counter() - t0, 2)
         log.info("replica_started", replica=k, pid=rep.pid, start_s=rep.start_s)
+        if start_together:
+            await all_settled.wait()
         inflight: set[int] = set()
 
         async def lane() -> None:
