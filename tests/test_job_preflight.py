@@ -111,6 +111,9 @@ def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
         (("--out", str(tmp_path)), "already exists"),
         (("--target", '{"kind": '), "--target is not valid JSON"),
         (("--contents", "moe_route"), "did you mean 'moe_routes'"),  # a typo fails before any receipt
+        (("--max-inflight", "0"), "--max-inflight 0 invalid"),  # was ignored without --replicas
+        (("--max-inflight", "-1"), "--max-inflight -1 invalid"),
+        (("--replicas", "0"), "--replicas 0 invalid"),  # was checked after the receipts directory was made
     ]
     for extra, match in cases:
         assert _generate(tmp_path, *extra) == 2

@@ -18,6 +18,11 @@ from genartifact.host import PluginHost
 hookimpl = pluggy.HookimplMarker("genartifact")
 
 
+class Unprintable(Exception):
+    def __str__(self):
+        raise ValueError("a buggy plugin's exception cannot even describe itself")
+
+
 class Recorder(WorkerCapture):
     name = "fake"
     capture_key = "fake_id"
@@ -29,6 +34,10 @@ class Recorder(WorkerCapture):
         self.events.append(("begin", step.index, dict(step.flagged["fake"])))
         if self.fail_in == "begin":
             raise KeyError("boom")
+        if self.fail_in == "unprintable":
+            raise Unprintable()
+        if self.fail_in == "secret":
+            raise RuntimeError("PUT https://s3.example/b/k?X-Amz-Signature=SECRETSIG failed " + "x" * 100_000)
 
     def end_step(self, step):
         self.events.append(("end", step.index, step.model_output, step.failed))
@@ -129,6 +138,19 @@ def test_a_failing_step_hook_fails_its_requests_not_the_engine():
     w.model_runner.sample_tokens(None)  # the engine step itself completes
     ans = rt.call("fake.fetch", ["cid-b"])
     assert ans["absent"] == "failed" and "KeyError" in ans["error"] and "begin_step" in ans["error"]
+
+
+@pytest.mark.parametrize("fail_in", ["unprintable", "secret"])
+def test_a_hostile_hook_exception_text_cannot_escape_or_leak(fail_in):
+    """An exception whose __str__ raises used to escape the isolation (the engine step failed); a plugin's
+    message carrying a presigned URL or 100 KB reached the logs and the fetch answer verbatim."""
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host(fail_in=fail_in))
+    w.model_runner.execute_model(step([new("b", "cid-b")], sched={"b": 3}))
+    assert w.model_runner.sample_tokens(None) is not None  # the engine step itself completes
+    ans = rt.call("fake.fetch", ["cid-b"])
+    assert ans["absent"] == "failed" and "begin_step" in ans["error"]
+    assert "SECRETSIG" not in ans["error"] and len(ans["error"]) < 400
 
 
 def test_only_tp_rank_zero_captures_and_other_ranks_answer_none():

@@ -40,3 +40,12 @@ def test_empty_and_very_long_references(tmp_path, capsys, monkeypatch):
     assert main(["inspect", "managed_fsspec:" + "a/" * 3000 + "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err) < 1000
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "a.gart"
+    os.mkfifo(fifo)
+    assert main(["inspect", str(fifo)]) == 2  # used to block forever in open() waiting for a writer
+    assert "FIFO" in capsys.readouterr().err

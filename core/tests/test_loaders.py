@@ -352,3 +352,16 @@ def test_batch_bounds_are_checked_up_front(kw):
     if "max_decoded_bytes" in kw:
         with pytest.raises(ValueError, match="max_decoded_bytes"):
             ld.fetch_sync(t, receipt(enc), **kw)
+
+
+def test_layout_arguments_are_layout_errors_not_allocations_or_numpy_errors(art):
+    with pytest.raises(ld.LayoutError, match="num_layers"):
+        ld.verl(art, padded_prompt_len=3, total_len=5, num_layers=2**40)  # was a 16 TiB allocation attempt
+    with pytest.raises(ld.LayoutError, match="num_layers"):
+        ld.packed([art], num_layers=2**40)
+    for fill in ("x", 2**40, 1.5):
+        with pytest.raises(ld.LayoutError, match="fill"):
+            ld.packed([art], fill=fill)  # were ValueError / OverflowError from numpy
+    with pytest.raises(ld.LayoutError, match="got NoneType"):
+        ld.stitch_turns([art, None])  # was AttributeError
+    assert ld.verl(art, padded_prompt_len=3, total_len=5, num_layers=np.int64(4)).shape[2] == 4

@@ -77,6 +77,8 @@ def _read_object(ref: str, cfg_path: str | None) -> bytes:
         if p.exists():
             if p.is_dir():
                 raise GenartifactError(f"{_shown(ref)!r} is a directory, not an artifact")
+            if p.is_fifo() or p.is_socket():  # opening a FIFO without a writer blocks forever
+                raise GenartifactError(f"{_shown(ref)!r} is a FIFO or socket, not an artifact file")
             with p.open("rb") as f:
                 return _read_capped(f, _shown(ref))
         if "://" in ref:

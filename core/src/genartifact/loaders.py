@@ -43,6 +43,9 @@ from genartifact import format as fmt
 from genartifact.errors import ArtifactFormatError, GenartifactError
 
 LAYOUTS = ("verl", "slime", "nemo_rl", "raw", "packed", "artifact")
+#: Largest ``num_layers`` a layout accepts (decoder layers; vLLM's largest models have a few hundred): a typo'd
+#: huge value is a LayoutError, not a multi-terabyte allocation.
+MAX_LAYERS = 65536
 CHECKS = ("receipt", "fetch", "byte_count", "sha256", "decode", "layout")
 
 
@@ -225,11 +228,21 @@ class Routes:
         """Routes of a decoded artifact. Raises :class:`LayoutError` if it has no ``moe_routes``."""
         if isinstance(art, Routes):
             return art
+        if not isinstance(art, fmt.Artifact):
+            raise LayoutError(f"expected a decoded Artifact or Routes, got {type(art).__name__}")
         if "moe_routes" not in art.manifest["sections"]:
             raise LayoutError(f"artifact has no moe_routes content (contents: {art.contents})")
         s = art.manifest["sections"]["moe_routes"]
         return cls(art.token_ids, art.prompt_token_count, int(s["token_start"]), art.routes(),
                    tuple(s["router_ids"]), tuple(s["expert_counts"]))
+
+    def check_num_layers(self, num_layers: Any) -> int:
+        """``num_layers`` as an int; raises :class:`LayoutError` unless last router id < it <= :data:`MAX_LAYERS`."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int | np.integer) \
+                or not max(self.router_ids) < num_layers <= MAX_LAYERS:
+            raise LayoutError(f"num_layers={num_layers!r} must be an integer > the last router id "
+                              f"{max(self.router_ids)} and <= {MAX_LAYERS}")
+        return int(num_layers)
 
     def layer_axis(self, num_layers: int | None, fill: int, dtype: Any) -> np.ndarray:
         """``rows`` as ``dtype [rows, L, top_k]``: L = R (``num_layers`` None) or every decoder layer with
@@ -237,8 +250,7 @@ class Routes:
         n, _, k = self.rows.shape
         if num_layers is None:
             return self.rows.astype(dtype)
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= max(self.router_ids):
-            raise LayoutError(f"num_layers={num_layers!r} must be an integer > the last router id {max(self.router_ids)}")
+        num_layers = self.check_num_layers(num_layers)
         out = np.full((n, num_layers, k), fill, dtype)
         out[:, list(self.router_ids), :] = self.rows
         return out
@@ -372,11 +384,13 @@ def packed(arts: Sequence[fmt.Artifact | Routes], *, num_layers: int | None = No
     (before ``token_start``, and each sequence's last token, which was never fed) and dense layers hold
     ``fill`` (default -1: "use the live router"). All sequences must have the same routers and top_k.
 
-    Raises :class:`LayoutError` for an empty batch or mismatched router layouts.
+    Raises :class:`LayoutError` for an empty batch, mismatched router layouts, ``fill`` outside int32 or
+    ``num_layers`` out of range (:meth:`Routes.check_num_layers`).
     """
     rs = [Routes.of(a) for a in arts]
     if not rs:
         raise LayoutError("packed needs at least one artifact")
+    fill = _check_int("fill", fill, -(2**31), 2**31 - 1)
     key = (rs[0].router_ids, rs[0].top_k)
     for i, r in enumerate(rs):
         if (r.router_ids, r.top_k) != key:
@@ -386,7 +400,7 @@ def packed(arts: Sequence[fmt.Artifact | Routes], *, num_layers: int | None = No
     np.cumsum(lens, out=cu[1:])
     if cu[-1] > np.iinfo(np.int32).max:
         raise LayoutError(f"packed batch has {int(cu[-1])} tokens; int32 cu_seqlens allow {np.iinfo(np.int32).max}")
-    width = len(rs[0].router_ids) if num_layers is None else num_layers
+    width = len(rs[0].router_ids) if num_layers is None else rs[0].check_num_layers(num_layers)
     routes = np.full((int(cu[-1]), width, rs[0].top_k), fill, np.int32)
     tok = np.empty(int(cu[-1]), np.int32)
     for r, o in zip(rs, cu[:-1], strict=True):
@@ -613,6 +627,6 @@ def open_target(kind: str = "managed_fsspec", config: str | None = None) -> Any:
     return host.hooks.storage_target(kind, cfg.target_settings().get(kind, {}))
 
 
-__all__ = ["CHECKS", "LAYOUTS", "ArtifactRef", "BatchResult", "LayoutError", "LoadError", "Packed", "RawRoutes",
+__all__ = ["CHECKS", "LAYOUTS", "MAX_LAYERS", "ArtifactRef", "BatchResult", "LayoutError", "LoadError", "Packed", "RawRoutes",
            "ReadableTarget", "Routes", "aload_batch", "fetch", "fetch_sync", "load_batch", "nemo_rl", "open_target", "packed",
            "raw", "ref_of", "slime", "stitch_turns", "top_logprobs", "verify_bytes", "verl"]

@@ -560,6 +560,11 @@ def run_generate_cli(args: argparse.Namespace) -> int:
         host.require("contents", c, "--contents")
     check_target_tables(cfg, host)  # plugin and target settings fail now
     target_for(args.target, run_id, 0, host)  # and a malformed --target
+    replicas = getattr(args, "replicas", None)
+    from genartifact.engine.replicas import check_replica_args
+
+    # before anything is created; always: --max-inflight 0 must fail here, not be silently ignored on one engine
+    check_replica_args(replicas, getattr(args, "ray", None), getattr(args, "max_inflight", 8), resume)
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise RequestSpecError(f"--model {args.model!r} is not a model directory (no config.json)")
@@ -577,11 +582,6 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     if not os.access(out.parent, os.W_OK):
         raise RequestSpecError(f"receipts directory {str(out.parent)!r} is not writable")
     max_decoded_bytes(), pipeline_concurrency()  # environment limits fail now, not after inference
-    replicas = getattr(args, "replicas", None)
-    if replicas is not None or getattr(args, "ray", None) is not None:
-        from genartifact.engine.replicas import check_replica_args
-
-        check_replica_args(replicas, args.ray, args.max_inflight, resume)
     t0 = time.perf_counter()
     writer = ReceiptsWriter(out, resume=resume)
     stop: dict[str, Any] = {}

@@ -282,5 +282,5 @@ def check_replica_args(replicas: int | None, ray_address: str | None, max_inflig
         raise ConfigError(f"--replicas {replicas!r} invalid; allowed: an integer >= 1")
     if ray_address is not None and replicas is None:
         raise ConfigError("--ray ADDRESS needs --replicas N")
-    if max_inflight < 1:
+    if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
         raise ConfigError(f"--max-inflight {max_inflight!r} invalid; allowed: an integer >= 1")

@@ -196,7 +196,7 @@ class WorkerRuntime:
             try:
                 getattr(cap, method)(step)
             except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
-                err = f"{type(e).__name__}: {e}"
+                err = f"{type(e).__name__}: {_exc_text(e)}"
                 log.error("worker_capture_step_failed", content=name, hook=method, error=err, **self.where)
                 for cid in step.flagged[name].values():
                     self.failed[name].setdefault(cid, f"{method}: {err}")
@@ -293,6 +293,18 @@ class WorkerRuntime:
             return {"absent": self.gone[name].get(cid, "unknown"), **where}
         self._bury(name, cid, "fetched")
         return {"found": payload, **where}
+
+
+def _exc_text(e: BaseException) -> str:
+    """A plugin exception's text as logs and fetch answers carry it: secrets redacted, at most 300 characters,
+    and never itself a failure (a plugin exception whose ``__str__`` raises must not escape the step hook's
+    isolation and take the engine step down)."""
+    from genartifact.host import redact
+
+    try:
+        return redact(str(e), 300)
+    except Exception:  # noqa: BLE001 - a hostile __str__
+        return "<exception text unavailable>"
 
 
 def _dispatch(worker: Any, method: str, *args: Any) -> Any:
