@@ -207,9 +207,10 @@ def test_hostile_json_inputs_are_fit_errors_with_a_bounded_read(tmp_path, monkey
 
 
 def test_bench_fit_on_a_device_file_is_refused():
-    import shutil
+    import sys
 
-    proc = subprocess.run([shutil.which("genartifact") or "genartifact", "bench", "fit", "/dev/zero", "--out",
+    # the interpreter running the tests, not a `genartifact` on PATH (CI runs .venv/bin/python -m pytest)
+    proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "fit", "/dev/zero", "--out",
                            "/nonexistent/m.json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "larger than" in proc.stderr, proc.stderr
 
