@@ -1,0 +1,121 @@
+"""`generate` with ``"n": K`` (GRPO groups, issue 11 §4) on the real vLLM-CPU engine and the real fsspec store:
+each sample's joined rows equal the same sample run as a non-grouped request with the same seed; the group
+stores fewer bytes; verify / reconcile / --resume handle the prompt part."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from genartifact import format as fmt
+from genartifact import groups
+from genartifact import loaders as ld
+
+N, SEED, MAX_TOKENS = 4, 11, 12
+# a long, non-repetitive prompt (hundreds of tokens): its route rows dominate each sample, as in GRPO
+PROMPT = " ".join(str(i * 7919 % 10007) for i in range(160))
+
+
+def _cfg(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[plugins]\ncontents = ["moe_routes", "selected_logprobs"]\ntargets = ["managed_fsspec"]\n'
+                   f'[targets.managed_fsspec.profiles.local]\nurl = "{tmp_path}/store"\nallowed_prefixes = ["runs/"]\n'
+                   f'[journal]\npath = "{tmp_path}/journal.jsonl"\n')
+    return cfg
+
+
+def _generate(model, cfg, prompts, out, *extra):
+    # per-request seeds need chunked prefill off on vLLM-CPU 0.32 (vllm_adapter.prepare refuses them otherwise)
+    return subprocess.run([sys.executable, "-m", "genartifact.cli", "generate", "--model", str(model), "--config",
+                           str(cfg), "--prompts", str(prompts), "--out", str(out), "--run-id", "grp",
+                           "--no-enable-chunked-prefill", *extra],
+                          capture_output=True, text=True, cwd=cfg.parent, timeout=500)
+
+
+def _receipts(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _target(tmp_path):
+    from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles
+
+    return ManagedFsspecTarget(parse_profiles({"profiles": {"local": {"url": f"file://{tmp_path}/store",
+                                                                      "allowed_prefixes": ["runs/"]}}}))
+
+
+@pytest.mark.engine
+def test_group_rows_equal_ungrouped_same_seed_and_store_less(qwen_model, tmp_path):
+    cfg = _cfg(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": PROMPT, "n": N, "seed": SEED, "max_tokens": MAX_TOKENS}]
+    rows += [{"prompt": PROMPT, "seed": SEED + k, "max_tokens": MAX_TOKENS} for k in range(N)]  # vLLM's n>1 rule
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "receipts.jsonl"
+    r = _generate(qwen_model, cfg, prompts, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{2 * N}/{2 * N} artifacts ready" in r.stdout
+    recs = _receipts(out)
+    grouped = sorted((x for x in recs if x["index"] == 0), key=lambda x: x["sample"])
+    plain = sorted((x for x in recs if x["index"] > 0), key=lambda x: x["index"])
+    assert [x["sample"] for x in grouped] == list(range(N)) and all(x["state"] == "ready" for x in recs)
+    gid = grouped[0]["group"]["id"]
+    pp = grouped[0]["group"]["prompt_part"]
+    for k, x in enumerate(grouped):
+        g = x["group"]
+        assert (g["id"], g["index"], g["size"]) == (gid, k, N) and g["prompt_part"] == pp
+        assert x["object_id"] == f"local:runs/grp/00000.s{k:03d}.gart"  # row key + sample index
+        assert g["prompt_row_mismatches"] == 0 and g["route_token_start"] == x["prompt_tokens"] - 1
+    assert pp["object_id"] == f"local:runs/grp/00000.prompt-{gid}.gart"
+    store = tmp_path / "store"
+    assert (store / "runs/grp" / f"00000.prompt-{gid}.gart").stat().st_size == pp["byte_count"]
+
+    target = _target(tmp_path)
+    joined = groups.load_group(grouped, target)
+    assert not joined.errors, joined.errors
+    ref = ld.load_batch(plain, target, layout="artifact")
+    assert not ref.errors, ref.errors
+    completions = set()
+    for k in range(N):
+        a, b = joined.items[k], ld.Routes.of(ref.items[k])
+        # the same sample (seed + k) run alone: identical tokens and identical routes for every position
+        assert np.array_equal(a.token_ids, b.token_ids), k
+        assert a.token_start == b.token_start and a.router_ids == b.router_ids
+        assert np.array_equal(a.rows, b.rows), k
+        completions.add(tuple(a.token_ids[a.prompt_token_count:]))
+        # every other content of the sample part is the non-grouped artifact's
+        sa = fmt.decode((store / f"runs/grp/00000.s{k:03d}.gart").read_bytes())
+        np.testing.assert_array_equal(sa.selected_logprobs(), ref.items[k].selected_logprobs())
+    assert len(completions) > 1  # the seeds differ: real samples, not one sample four times
+    grouped_bytes = pp["byte_count"] + sum(x["byte_count"] for x in grouped)
+    plain_bytes = sum(x["byte_count"] for x in plain)
+    assert grouped_bytes < plain_bytes, (grouped_bytes, plain_bytes)
+
+    # verify checks each sample, its prompt part and the join; reconcile vouches for the prompt part
+    v = subprocess.run([sys.executable, "-m", "genartifact.cli", "verify", "--config", str(cfg), "--receipts",
+                        str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert v.returncode == 0 and f"{2 * N}/{2 * N} receipts verified" in v.stdout, v.stdout + v.stderr
+    rc = subprocess.run([sys.executable, "-m", "genartifact.cli", "reconcile", "--config", str(cfg), "--receipts",
+                         str(out), "--older-than", "0", "--json"], capture_output=True, text=True, cwd=tmp_path)
+    assert rc.returncode == 0, rc.stderr
+    assert not [d for d in json.loads(rc.stdout)["deliveries"] if d["status"] == "orphan"]
+    insp = subprocess.run([sys.executable, "-m", "genartifact.cli", "inspect", "--config", str(cfg),
+                           "managed_fsspec:" + grouped[1]["object_id"]], capture_output=True, text=True, cwd=tmp_path)
+    assert insp.returncode == 0, insp.stderr
+    assert f"group: {gid} sample 1 of {N}; prompt part {pp['object_id']}" in insp.stdout, insp.stdout
+
+    # --resume: a sample whose receipt is lost (and whose object is gone) runs again as a new group attempt
+    # (its own prompt part); the others are left alone
+    (store / "runs/grp/00000.s002.gart").unlink()
+    out.write_text("".join(json.dumps(x) + "\n" for x in recs if not (x["index"] == 0 and x["sample"] == 2)))
+    r2 = _generate(qwen_model, cfg, prompts, out, "--resume")
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    after = _receipts(out)
+    new = [x for x in after[len(recs) - 1:]]
+    assert [(x["index"], x["sample"], x["state"]) for x in new] == [(0, 2, "ready")]
+    g2 = new[0]["group"]
+    assert g2["id"] != gid and g2["size"] == N and g2["prompt_part"]["object_id"] != pp["object_id"]
+    again = groups.load_group([x for x in after if x["index"] == 0], target)
+    assert not again.errors and np.array_equal(again.items[-1].rows, joined.items[2].rows)
