@@ -4,6 +4,7 @@ stores fewer bytes; verify / reconcile / --resume handle the prompt part."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -119,3 +120,85 @@ def test_group_rows_equal_ungrouped_same_seed_and_store_less(qwen_model, tmp_pat
     assert g2["id"] != gid and g2["size"] == N and g2["prompt_part"]["object_id"] != pp["object_id"]
     again = groups.load_group([x for x in after if x["index"] == 0], target)
     assert not again.errors and np.array_equal(again.items[-1].rows, joined.items[2].rows)
+
+
+# ------------------------------------------------------------ faults, on the shared engine (no seeds: chunked prefill)
+
+
+def _row(n=3):
+    return {"prompt": PROMPT, "n": n, "max_tokens": 6}
+
+
+def _spec(key):
+    return {"format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs"], "codec": "zstd",
+            "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "t",
+                                                            "object_key": key}}}
+
+
+def _settings(root):
+    return {"managed_fsspec": {"profiles": {"t": {"url": f"file://{root}", "allowed_prefixes": ["runs/"]}}}}
+
+
+@pytest.mark.engine
+@pytest.mark.asyncio(loop_scope="session")
+async def test_prompt_part_not_stored_every_sample_stored_whole(engine, tmp_path, monkeypatch):
+    from genartifact.engine.job import run_group
+    from genartifact.session import ArtifactSession, failed_receipt
+
+    async def refused(self, inp, target_spec):
+        return failed_receipt(self.request, "object_exists")
+
+    monkeypatch.setattr(ArtifactSession, "deliver_extra", refused)
+    seen = []
+    recs = await run_group(engine, 5, _row(), _spec("runs/g/00005.gart"), _settings(tmp_path), None, 6, [0, 1, 2],
+                           on_receipt=seen.append)
+    assert sorted(seen, key=lambda r: r["sample"]) == recs  # each emitted as it ended
+    assert [(r["index"], r["sample"], r["state"]) for r in recs] == [(5, k, "ready") for k in range(3)]
+    for r in recs:  # no sample references a prompt part that is not stored; each holds its full rows
+        assert "prompt_part" not in r["group"] and r["group"]["not_shared"] == "prompt_part_object_exists"
+        art = fmt.decode((tmp_path / r["object_id"].split(":", 1)[1]).read_bytes())
+        assert art.routes().shape[0] == art.token_ids.shape[0] - 1
+    assert not list((tmp_path / "runs/g").glob("*prompt*"))
+
+
+@pytest.mark.engine
+@pytest.mark.asyncio(loop_scope="session")
+async def test_one_sample_failing_keeps_the_others(engine, tmp_path, monkeypatch):
+    from genartifact.engine.job import run_group
+
+    real = type(engine).execute
+    calls = {"n": 0}
+
+    def flaky(self, prep, stream=True, request_id=None):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second sample's request breaks before it reaches the engine
+            raise RuntimeError("engine bug")
+        return real(self, prep, stream, request_id)
+
+    monkeypatch.setattr(type(engine), "execute", flaky)
+    recs = await asyncio.wait_for(run_group(engine, 1, _row(), _spec("runs/f/00001.gart"), _settings(tmp_path), None,
+                                            6, [0, 1, 2]), 120)
+    assert [r["state"] for r in recs] == ["ready", "failed", "ready"]
+    assert recs[1]["error_code"] == "internal_error" and recs[1]["group"]["index"] == 1
+    pp = recs[0]["group"]["prompt_part"]
+    assert recs[2]["group"]["prompt_part"] == pp
+    res = await groups.aload_group([recs[0], recs[2]], _target_t(tmp_path))
+    assert not res.errors
+
+
+@pytest.mark.engine
+@pytest.mark.asyncio(loop_scope="session")
+async def test_group_admission_counts_every_sample_before_any_runs(engine, tmp_path, monkeypatch):
+    from genartifact.engine.job import run_group
+
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "9000")  # too small for one sample's worst case
+    recs = await run_group(engine, 2, _row(4), _spec("runs/a/00002.gart"), _settings(tmp_path), None, 6, [0, 1, 2, 3])
+    assert [(r["sample"], r["state"], r["error_code"]) for r in recs] == [(k, "rejected", "admission_rejected")
+                                                                          for k in range(4)]
+    assert not (tmp_path / "runs").exists()
+
+
+def _target_t(root):
+    from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles
+
+    return ManagedFsspecTarget(parse_profiles({"profiles": {"t": {"url": f"file://{root}", "allowed_prefixes": ["runs/"]}}}))

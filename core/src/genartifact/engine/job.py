@@ -571,8 +571,10 @@ async def run_group(engine: Any, i: int, row: Mapping[str, Any], spec: Mapping[s
         except Exception as e:  # noqa: BLE001 - one sample's failure must not lose the others' receipts
             log.error("group_sample_failed", index=i, sample=k, error_type=type(e).__name__)
             receipt = {"state": "failed", "error_code": "internal_error", "error": f"sample failed: {type(e).__name__}"}
+            preps[k].session.release()  # idempotent; a sample that never started holds its capture state
         finally:
             generating.discard(k)
+            collector.withdraw(k)  # a no-op once it submitted; else the others must not wait for it
         b = base(k)
         return done({**b, **receipt, "group": {**b["group"], **receipt.get("group", {})}})
 
