@@ -80,3 +80,30 @@ async def test_weights_match_hf_router_with_chunked_prefill_and_start(engine, qw
         assert np.abs(w.sum(-1) - 1).max() < 1e-5
         worst, rows = check_against_hf(art, qwen_model, FP32_TOL)
         print(f"qwen3_moe fp32 start={start}: max |w - hf| = {worst:.3g} over {rows} router rows")
+
+
+async def test_admission_counts_weight_bytes_and_refuses_before_inference(engine, tmp_path, monkeypatch):
+    """The worst case of moe_route_weights (rows x routers x top_k x 4 bytes) is part of the admitted bytes:
+    a decoded-bytes limit that fits the same request without weights refuses it with weights, before the
+    engine does any work for it."""
+    from genartifact.errors import AdmissionError
+
+    ids = engine.tokenizer(TEXTS[0])["input_ids"]
+    sampling = {"max_tokens": 300, "temperature": 1.0}
+    budgets = {}
+    for contents in (("moe_routes", "selected_logprobs"), CONTENTS):
+        prep = engine.prepare(ids, sampling, spec(contents), settings(tmp_path))
+        budgets[contents] = prep.session.budget
+        prep.session.release()
+    rows = len(ids) + 300 - 1
+    extra = budgets[CONTENTS] - budgets[("moe_routes", "selected_logprobs")]
+    assert rows * 4 * 2 * 4 <= extra <= rows * 4 * 2 * 4 + 1024  # 4 routers x top-2 x fp32 + section
+    limit = budgets[("moe_routes", "selected_logprobs")] + rows * 4 * 2 * 4 // 2
+    monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", str(limit))
+    engine.prepare(ids, sampling, spec(), settings(tmp_path)).session.release()  # without weights it fits
+    before = [(await engine.worker_call(f"{c}.stats"))[0]["steps"] for c in ("moe_routes", "moe_route_weights")]
+    with pytest.raises(AdmissionError, match=f"limit {limit} bytes"):
+        await engine.run(ids, sampling, spec(CONTENTS), settings(tmp_path))
+    after = [(await engine.worker_call(f"{c}.stats"))[0]["steps"] for c in ("moe_routes", "moe_route_weights")]
+    assert after == before  # the engine did no work for it
+    assert not any(tmp_path.rglob("*.gart"))
