@@ -109,6 +109,25 @@ async def test_routes_via_worker_path_with_start(host):
     assert art.routes().shape == (4, 4, 2)
     assert np.array_equal(art.routes(), full[:, 2:].transpose(1, 0, 2))
     assert art.manifest["sections"]["moe_routes"]["token_start"] == 2
+    assert art.manifest["sections"]["moe_routes"]["requested_token_start"] == 2  # requested = effective
+
+
+def test_routes_requested_start_is_optional_and_never_below_the_effective_one():
+    """requested_token_start (v1 addition): absent in older objects (accepted), an integer >= token_start when
+    present (a producer may only clamp down); anything else is an ArtifactFormatError naming the field."""
+    from genartifact.errors import ArtifactFormatError
+    from genartifact_route_capture import READER
+
+    man = {"prompt_token_count": 4, "completion_token_count": 3}
+    base = {"token_start": 2, "router_ids": [0, 1], "expert_counts": [8, 8], "top_k": 2, "layout": "router_major"}
+    ids = {"moe_routes.expert_ids": np.zeros((2, 4, 2), np.uint8)}
+    READER.validate(man, base, ids)  # an object written before the field existed
+    for ok in (2, 3, 10**6):
+        READER.validate(man, {**base, "requested_token_start": ok}, ids)
+    for bad in (1, 0, -1, "2", 2.0, True, None):
+        with pytest.raises(ArtifactFormatError, match="requested_token_start"):
+            READER.validate(man, {**base, "requested_token_start": bad}, ids)
+    assert READER.summary(man, {**base, "requested_token_start": 3}, ids)["requested_token_start"] == 3
 
 
 async def test_native_routes_drop_dense_layers_and_narrow_dtype(host):
@@ -342,6 +361,69 @@ async def test_second_write_to_same_key_fails_and_keeps_first(host):
     assert fmt.decode(data).selected_logprobs().tolist() == [-0.5]
 
 
+async def test_resume_recognises_an_existing_object_with_the_same_bytes(host, tmp_path):
+    """generate --resume without a journal (recover_existing): an object_exists whose stored bytes are exactly
+    this run's encoding is ready ("recovered": "rerun_match", journaled as ready); different or larger bytes stay
+    object_exists and are never touched; outside a resume a duplicate always fails with object_exists."""
+    from genartifact.journal import DeliveryJournal
+
+    j = DeliveryJournal(tmp_path / "j.jsonl")
+    key = f"runs/{uuid.uuid4().hex}.gart"
+    opened = []
+
+    async def run(recover, value=-0.5, max_tokens=3):
+        s = ArtifactSession.for_request(host, parse_request(spec(key=key)), MODEL, SETTINGS, j)
+        s.recover_existing = recover
+        real_open = s._target.open
+
+        async def spy(object_id, max_bytes):
+            opened.append(max_bytes)
+            return await real_open(object_id, max_bytes)
+
+        s._target.open = spy
+        s.admit(2, max_tokens)
+        s.record(Delta([1, 2], [3, 4, 5][:max_tokens], lp([3, 4, 5][:max_tokens], value), finished=True))
+        return await s.finalize()
+
+    first = await run(False)
+    assert first["state"] == "ready" and "recovered" not in first
+    dup = await run(False)  # not a resume: a duplicate fails, the store is not even read
+    assert dup["state"] == "failed" and dup["error_code"] == "object_exists" and opened == []
+    same = await run(True)
+    assert same["state"] == "ready" and same["recovered"] == "rerun_match"
+    assert {k: same[k] for k in first} == first  # same object id, SHA-256 and byte count
+    assert opened == [first["byte_count"]]  # read back bounded by this run's byte count
+    other = await run(True, value=-0.25)  # same length, other bytes
+    assert other["state"] == "failed" and other["error_code"] == "object_exists"
+    shorter = await run(True, max_tokens=1)  # the stored object is larger than this run's: refused by size
+    assert shorter["state"] == "failed" and shorter["error_code"] == "object_exists"
+    assert opened[-1] < first["byte_count"]
+    data = fsspec.open(f"memory://ga-test/{key}", "rb").open().read()
+    import hashlib
+
+    assert hashlib.sha256(data).hexdigest() == first["sha256"]  # the stored object was never replaced
+    assert [(d["last_state"], d["last_code"]) for d in j.deliveries()] == [
+        ("ready", None), ("failed", "object_exists"), ("ready", None), ("failed", "object_exists"),
+        ("failed", "object_exists")]
+
+
+async def test_resume_recovery_without_read_back_keeps_object_exists(host):
+    """A target that cannot read back (no open(), as presigned grants) recovers nothing: object_exists."""
+    key = f"runs/{uuid.uuid4().hex}.gart"
+    for recover in (False, True):
+        s = session(host, spec(key=key))
+        s.recover_existing = recover
+        if recover:
+            async def no_read_back(object_id, max_bytes):
+                raise TargetError("cannot read objects back")
+
+            s._target.open = no_read_back
+        s.admit(2, 1)
+        s.record(Delta([1, 2], [3], lp([3]), finished=True))
+        r = await s.finalize()
+    assert r["state"] == "failed" and r["error_code"] == "object_exists"
+
+
 def test_release_clears_everything(host):
     s = session(host)
     s.admit(2, 2)
@@ -564,3 +646,93 @@ async def test_aclose_discards_unfetched_worker_rows_and_exposes_completion(host
     eng = FakeEngine(None)
     await s.aclose(eng)  # the request ended without finalize (cancelled): its worker rows must be dropped
     assert [m for m, _ in eng.calls] == ["moe_routes.discard"]
+
+
+# ---------------------------------------------------------------- route and logprob finalize (mutation survivors)
+
+
+def test_route_admission_bytes_are_exact_with_a_start(host):
+    """moe_routes worst case: rows (P + max_tokens - 1 - start) x routers x top_k x itemsize + 32 per router +
+    256 (QWEN: 4 routers, top-2, u8)."""
+    from genartifact.types import AdmissionContext
+    from genartifact_route_capture import MoeRoutes
+
+    p = MoeRoutes(MODEL)
+    assert p.admit(AdmissionContext(10, 5, 3, MODEL, {})) == (10 + 5 - 1 - 3) * 4 * 2 * 1 + 32 * 4 + 256
+    assert p._max_rows == 11
+    assert MoeRoutes(MODEL).admit(AdmissionContext(4, 1, 4, MODEL, {})) == 0 + 32 * 4 + 256  # no rows at all
+
+
+async def test_native_routes_refuse_ids_far_out_of_range_and_bad_layer_axis(host):
+    from genartifact.errors import CaptureError
+
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "first_k_dense_replace": 1}
+    model = ModelInfo("ds", cfg, engine_options={"native_routed_experts": True})
+    for bad, match in ((np.full((4, 3, 2), 200, np.int64), "expert id out of range 0..7"),
+                       (np.full((4, 3, 2), -1, np.int64), "expert id out of range 0..7"),
+                       (np.zeros((4, 5, 2), np.int64), "engine layer axis 5 matches neither num_hidden_layers 3")):
+        s = session(host, spec(["moe_routes"]), model=model)
+        s.admit(3, 2)
+        s.record(Delta([1, 2, 3], [4], None))
+        with pytest.raises(CaptureError, match=match):
+            s._producers[0].on_delta(Delta([1, 2, 3], [5], None, routed_experts=bad, finished=True))
+        s.record_or_fail(Delta([1, 2, 3], [5], None, routed_experts=bad, finished=True))
+        r = await s.finalize()
+        assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+
+
+def _routes_section(**kw):
+    return {"token_start": 0, "router_ids": [0, 1], "expert_counts": [8, 8], "top_k": 2, "layout": "router_major",
+            **kw}
+
+
+@pytest.mark.parametrize("section, ids, match", [
+    (_routes_section(router_ids=(0, 1)), None, "router_ids/expert_counts must list 2 routers"),
+    (_routes_section(expert_counts=(8, 8)), None, "router_ids/expert_counts must list 2 routers"),
+    (_routes_section(router_ids=[1, 0]), None, "unique, ascending"),
+    (_routes_section(router_ids=[0, 0]), None, "unique, ascending"),
+    (_routes_section(router_ids=[-1, 0]), None, "unique, ascending"),
+    (_routes_section(), np.zeros((2, 3, 2), np.uint16), "dtype must be u8"),
+    (_routes_section(expert_counts=[8, 300]), np.zeros((2, 3, 2), np.uint8), "dtype must be u16"),
+    (_routes_section(token_start=5), np.zeros((2, 0, 2), np.uint8), "token_start 5 out of range 0..4"),
+    (_routes_section(router_ids=[], expert_counts=[]), np.zeros((0, 3, 2), np.uint8), "must list 0 routers"),
+])
+def test_routes_reader_refuses(section, ids, match):
+    from genartifact.errors import ArtifactFormatError
+    from genartifact_route_capture import READER
+
+    man = {"prompt_token_count": 4, "completion_token_count": 0}
+    ids = np.zeros((2, 3, 2), np.uint8) if ids is None else ids
+    with pytest.raises(ArtifactFormatError, match=match):
+        READER.validate(man, section, {"moe_routes.expert_ids": ids})
+
+
+def test_routes_reader_accepts_the_edges():
+    """token_start == P (no prompt rows; with C = 1 no rows at all), one router, ids up to count - 1."""
+    from genartifact_route_capture import READER
+
+    READER.validate({"prompt_token_count": 4, "completion_token_count": 1}, _routes_section(token_start=4),
+                    {"moe_routes.expert_ids": np.zeros((2, 0, 2), np.uint8)})
+    READER.validate({"prompt_token_count": 4, "completion_token_count": 2}, _routes_section(
+        router_ids=[3], expert_counts=[8], token_start=4), {"moe_routes.expert_ids": np.full((1, 1, 2), 7, np.uint8)})
+
+
+def test_prefix_caching_turned_off_with_a_warning_when_on_or_left_to_default():
+    import genartifact_route_capture as rc
+    from structlog.testing import capture_logs
+
+    for given in (True, None):
+        opts = {} if given is None else {"enable_prefix_caching": given}
+        with capture_logs() as logs:
+            rc.genartifact_engine_options(opts, worker_capture=True)
+        assert opts["enable_prefix_caching"] is False
+        assert [e["event"] for e in logs] == ["prefix_caching_disabled"] and logs[0]["option"] == "enable_prefix_caching"
+    opts = {"enable_prefix_caching": False}
+    with capture_logs() as logs:
+        rc.genartifact_engine_options(opts, worker_capture=True)
+    assert logs == [] and opts == {"enable_prefix_caching": False}
+    for opts, wc in (({"enable_prefix_caching": True, "enable_return_routed_experts": True}, True),
+                     ({"enable_prefix_caching": True}, False)):  # native routes, or no worker capture: untouched
+        rc.genartifact_engine_options(opts, worker_capture=wc)
+        assert opts["enable_prefix_caching"] is True
