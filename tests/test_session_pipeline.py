@@ -736,3 +736,93 @@ def test_prefix_caching_turned_off_with_a_warning_when_on_or_left_to_default():
                      ({"enable_prefix_caching": True}, False)):  # native routes, or no worker capture: untouched
         rc.genartifact_engine_options(opts, worker_capture=wc)
         assert opts["enable_prefix_caching"] is True
+
+
+def test_logprob_admission_bytes_are_exact():
+    from genartifact.types import AdmissionContext
+    from genartifact_logprobs import SelectedLogprobs
+
+    for m in (1, 32, 100):  # 32: 4 * 32 = 128 shares bit 7 with the constant
+        assert SelectedLogprobs().admit(AdmissionContext(3, m, 0, MODEL, {})) == 4 * m + 128
+
+
+async def test_worker_logprobs_fetched_once_discard_after_fetch_is_a_no_op(host, monkeypatch):
+    """collect pops the worker's samples: a later discard sends nothing; a request that never reached collect
+    discards exactly once; an engine-source producer never calls the worker."""
+    from genartifact.errors import CaptureError
+    from genartifact.types import FinalContext
+
+    monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "worker")
+    s = session(host)
+    s.admit(2, 2)
+    s.sampling_overrides({})
+    s.record(Delta([1, 2], [7, 8], None, finished=True))
+    eng = FakeLogprobWorker({"positions": [2, 3], "token_ids": [7, 8], "logprobs": [-0.5, -1.0]})
+    assert (await s.finalize(eng))["state"] == "ready"
+    await s.aclose(eng)
+    assert eng.calls == ["selected_logprobs.fetch"]
+    s = session(host)  # cancelled before collect: one discard, idempotent
+    s.admit(2, 2)
+    s.sampling_overrides({})
+    eng = FakeLogprobWorker(None)
+    p = s._producers[0]
+    await p.discard(eng)
+    await p.discard(eng)
+    assert eng.calls == ["selected_logprobs.discard"]
+    await p.discard(None)  # no engine: nothing to call
+    monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "engine")
+    s = session(host)
+    s.admit(2, 2)
+    s.sampling_overrides({})
+    eng = FakeLogprobWorker(None)
+    await s._producers[0].discard(eng)
+    assert eng.calls == []
+    # the misaligned-positions message names the expected range P..P+C-1
+    monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "worker")
+    s = session(host)
+    s.admit(2, 3)
+    s.sampling_overrides({})
+    p = s._producers[0]
+    with pytest.raises(CaptureError, match=r"expected 2\.\.4$"):
+        await p.collect(FinalContext(2, 3, FakeLogprobWorker(
+            {"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-0.5, -1.0, -2.0]}), [7, 8, 9]))
+
+
+@pytest.mark.parametrize("values, section, match", [
+    ([-0.5, float("inf")], {"token_start": 300}, r"selected_logprobs\[1\] is inf"),
+    ([float("inf"), -0.5], {"token_start": 300}, r"selected_logprobs\[0\] is inf"),
+    ([-0.5, -0.25, float("nan")], {"token_start": 300}, r"selected_logprobs\[2\] is nan"),
+    ([-0.5, -0.25], {"token_start": 299}, "token_start"),
+    ([-0.5, -0.25], {"token_start": 300, "k": 1}, "token_start"),
+    ([-0.5, -0.25, -1.0], {"token_start": 300}, r"f32 \[2\]"),
+    ([-0.5], {"token_start": 300}, r"f32 \[2\]"),
+])
+def test_logprobs_reader_refuses(values, section, match):
+    from genartifact.errors import ArtifactFormatError
+    from genartifact_logprobs import READER
+
+    man = {"prompt_token_count": 300, "completion_token_count": 2 if len(values) != 3 or "nan" not in match else 3}
+    with pytest.raises(ArtifactFormatError, match=match):
+        READER.validate(man, section, {"selected_logprobs.logprobs": np.asarray(values, np.float32)})
+
+
+def test_logprobs_reader_accepts_minus_inf_positive_finite_and_large_prompts():
+    from genartifact_logprobs import READER
+
+    p = int("1" + "000")  # a prompt length that is not a cached small int (identity is not equality)
+    READER.validate({"prompt_token_count": p, "completion_token_count": 3}, {"token_start": int(str(p))},
+                    {"selected_logprobs.logprobs": np.asarray([-np.inf, 0.0, 1e-7], np.float32)})
+
+
+def test_logprobs_worker_capture_only_for_raw_logprobs(monkeypatch):
+    import types
+
+    import genartifact_logprobs as gl
+    import genartifact_logprobs.worker as glw
+
+    monkeypatch.setattr(glw, "LogprobCapture", lambda worker: ("capture", worker))
+    for mode, served in (("".join(["raw_", "logprobs"]), True), ("processed_logprobs", False), ("raw_logits", False)):
+        worker = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            model_config=types.SimpleNamespace(logprobs_mode=mode)))
+        got = gl.genartifact_worker_capture(worker=worker, settings={})
+        assert (got == ("capture", worker)) is served, mode

@@ -294,3 +294,35 @@ def test_reader_honours_env_decoded_limit(monkeypatch):
     monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "abc")
     with pytest.raises(ArtifactFormatError, match="GENARTIFACT_MAX_DECODED_BYTES"):
         fmt.decode(GOOD)
+
+
+def _with_manifest_bytes(n: int) -> fmt.EncodedArtifact:
+    """sample_input() with a header pad sized so that the manifest is exactly ``n`` bytes."""
+    def enc(pad: int) -> fmt.EncodedArtifact:
+        inp = sample_input()
+        inp.header = {"engine": {"name": "test", "version": "0"}, "pad": "x" * pad}
+        return fmt.encode(inp)
+
+    def mlen(e: fmt.EncodedArtifact) -> int:
+        body = zstandard.ZstdDecompressor().decompress(e.data[16:])
+        return struct.unpack_from("<I", body, 0)[0]
+
+    base = mlen(enc(0))
+    e = enc(n - base)
+    assert mlen(e) == n
+    return e
+
+
+def test_manifest_of_exactly_the_limit_is_accepted_one_more_byte_is_not(monkeypatch):
+    """MAX_MANIFEST_BYTES (1 MiB) is inclusive in the encoder and the reader; one byte more is refused by both."""
+    limit = fmt.MAX_MANIFEST_BYTES
+    assert limit == 1 << 20
+    at = _with_manifest_bytes(limit)
+    assert fmt.decode(at.data).sha256 == at.sha256
+    with pytest.raises(ArtifactFormatError, match=f"manifest is {limit + 1} bytes; limit {limit}"):
+        _with_manifest_bytes(limit + 1)
+    monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", limit + 1)  # let the encoder write it...
+    over = _with_manifest_bytes(limit + 1)
+    monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", limit)  # ...and the reader refuse it
+    with pytest.raises(ArtifactFormatError, match=f"manifest length {limit + 1} exceeds limit {limit}"):
+        fmt.decode(over.data)
