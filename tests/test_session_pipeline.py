@@ -68,6 +68,15 @@ def lp(tokens, value=-0.5):
     return [{t: value, t + 1: -9.0} for t in tokens]
 
 
+async def fails_storing_nothing(s, engine=None):
+    """Fault tests: the request's receipt is failed/capture_invalid and nothing was stored at its key."""
+    r = await s.finalize(engine)
+    assert r["state"] == "failed" and r["error_code"] == "capture_invalid", r
+    t = s.request.target
+    assert not mem_exists(f"{t['profile']}:{t['object_key']}")
+    return r
+
+
 def mem_exists(object_id):
     profile, key = object_id.split(":", 1)
     root = SETTINGS["managed_fsspec"]["profiles"][profile]["url"]
@@ -112,6 +121,7 @@ async def test_routes_via_worker_path_with_start(host):
     assert art.manifest["sections"]["moe_routes"]["requested_token_start"] == 2  # requested = effective
 
 
+@pytest.mark.fault("reader", "requested_token_start below token_start or not an integer")
 def test_routes_requested_start_is_optional_and_never_below_the_effective_one():
     """requested_token_start (v1 addition): absent in older objects (accepted), an integer >= token_start when
     present (a producer may only clamp down); anything else is an ArtifactFormatError naming the field."""
@@ -165,6 +175,7 @@ async def test_native_routes_drop_dense_layers_and_narrow_dtype(host):
     ],
     ids=["format", "codec", "empty", "dup", "non-str", "extra", "mode", "target", "missing"],
 )
+@pytest.mark.fault("admission", "artifact spec violations")
 def test_spec_rejects(mutate, match):
     s = spec()
     mutate(s)
@@ -182,6 +193,7 @@ def test_unknown_content_fails_fast_with_suggestion(host):
         session(host, spec(["moe_route"]))
 
 
+@pytest.mark.fault("admission", "unknown target kind")
 def test_unknown_target_kind(host):
     s = spec()
     s["delivery"]["target"] = {"kind": "ftp_upload"}
@@ -206,6 +218,7 @@ def test_unknown_target_kind(host):
     ],
     ids=["profile", "dotdot", "absolute", "backslash", "prefix", "empty-seg", "long", "extra"],
 )
+@pytest.mark.fault("admission", "invalid managed target")
 def test_target_validation_is_specific_and_side_effect_free(host, target, match):
     s = spec(profile=target.pop("profile", "mem"), key=target.pop("key", None), **target)
     sess = session(host, s)
@@ -215,6 +228,7 @@ def test_target_validation_is_specific_and_side_effect_free(host, target, match)
     assert sorted(fsspec.filesystem("memory").find("/")) == before
 
 
+@pytest.mark.fault("admission", "worst case over the decoded limit")
 def test_admission_rejects_over_decoded_limit(host, monkeypatch):
     monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "9000")
     with pytest.raises(AdmissionError, match="limit 9000 bytes"):
@@ -229,6 +243,7 @@ def test_decoded_limit_can_only_be_lowered(host, monkeypatch):
         session(host).admit(3, 4)
 
 
+@pytest.mark.fault("admission", "worst case over the target's max_bytes")
 def test_admission_rejects_over_target_max_bytes(host):
     with pytest.raises(AdmissionError, match="target max_bytes is 2000"):
         session(host, spec(profile="tiny")).admit(10, 10)
@@ -245,17 +260,20 @@ def test_admission_worst_case_routes_large_model(host):
 
 
 @pytest.mark.parametrize("start", [-1, True, 1.5, 4, 10**6, 2**63])
+@pytest.mark.fault("admission", "routed_experts_prompt_start out of range")
 def test_invalid_routes_start(host, start):
     with pytest.raises(AdmissionError, match="routed_experts_prompt_start"):
         session(host, spec(["moe_routes"])).admit(3, 4, routes_start=start)
 
 
+@pytest.mark.fault("admission", "moe_routes without a route source")
 def test_moe_routes_without_route_source_names_the_setting(host):
     model = ModelInfo("x", QWEN, engine_options={})
     with pytest.raises(AdmissionError, match="enable_return_routed_experts.*vllm.general_plugins"):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
 
+@pytest.mark.fault("admission", "prefix caching with worker route capture")
 def test_moe_routes_refuses_prefix_caching_on_worker_path(host):
     model = ModelInfo("x", QWEN, engine_options={"worker_captures": ["moe_routes"], "enable_prefix_caching": True})
     with pytest.raises(AdmissionError, match="enable_prefix_caching=False"):
@@ -281,6 +299,7 @@ def test_router_layout_metadata_rejected(host, cfg, match):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
 
+@pytest.mark.fault("encoder", "prompt change / completion past max_tokens")
 async def test_capture_rejects_prompt_change_and_overlong_completion(host):
     from genartifact.errors import CaptureError
 
@@ -294,9 +313,12 @@ async def test_capture_rejects_prompt_change_and_overlong_completion(host):
         s.record(Delta([1, 2, 3, 4], [6], lp([6])))
     with pytest.raises(CaptureError, match="admitted max_tokens 2"):
         s.record(Delta([1, 2, 3], [6, 7], lp([6, 7])))
+    s.record_or_fail(Delta([1, 2, 3], [6, 7], lp([6, 7]), finished=True))
+    await fails_storing_nothing(s)
 
 
-def test_sampled_token_missing_from_engine_logprobs(host):
+@pytest.mark.fault("encoder", "sampled token missing from engine logprobs")
+async def test_sampled_token_missing_from_engine_logprobs(host):
     from genartifact.errors import CaptureError
 
     s = session(host)
@@ -304,6 +326,9 @@ def test_sampled_token_missing_from_engine_logprobs(host):
     s.record(Delta([1], [7], [{99: -0.1, 7: -2.0}]))
     with pytest.raises(CaptureError, match="sampled token 8 missing"):
         s.record(Delta([1], [8], [{99: -0.1, 7: -2.0}]))
+    s.record_or_fail(Delta([1], [8], [{99: -0.1, 7: -2.0}], finished=True))
+    await fails_storing_nothing(s)
+    assert s._producers[0].retained_bytes() == 0  # captured values dropped at the failure
 
 
 async def test_logprob_lookup_values(host):
@@ -316,6 +341,7 @@ async def test_logprob_lookup_values(host):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.fault("encoder", "non-finite engine logprob")
 async def test_non_finite_engine_logprob_rejected(host, value):
     from genartifact.errors import CaptureError
 
@@ -323,8 +349,11 @@ async def test_non_finite_engine_logprob_rejected(host, value):
     s.admit(1, 2)
     with pytest.raises(CaptureError, match="allowed finite or -inf"):
         s.record(Delta([1], [7], [{7: value}]))
+    s.record_or_fail(Delta([1], [7], [{7: value}], finished=True))
+    await fails_storing_nothing(s)
 
 
+@pytest.mark.fault("encoder", "worker route rows missing")
 async def test_missing_worker_rows_fail_receipt_and_store_nothing(host):
     s = session(host, spec(["moe_routes"]))
     s.admit(4, 3)
@@ -338,15 +367,16 @@ async def test_missing_worker_rows_fail_receipt_and_store_nothing(host):
     assert not mem_exists(f"mem:{key}")
 
 
+@pytest.mark.fault("encoder", "worker expert id out of range")
 async def test_out_of_range_worker_expert_id_fails(host):
     s = session(host, spec(["moe_routes"]))
     s.admit(2, 1)
     s.sampling_overrides({})
     s.record(Delta([1, 2], [3], None, finished=True))
-    r = await s.finalize(FakeEngine(np.full((4, 2, 2), 8, np.uint8)))
-    assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+    await fails_storing_nothing(s, FakeEngine(np.full((4, 2, 2), 8, np.uint8)))
 
 
+@pytest.mark.fault("managed", "second request to the same key")
 async def test_second_write_to_same_key_fails_and_keeps_first(host):
     key = f"runs/{uuid.uuid4().hex}.gart"
     receipts = []
@@ -361,6 +391,7 @@ async def test_second_write_to_same_key_fails_and_keeps_first(host):
     assert fmt.decode(data).selected_logprobs().tolist() == [-0.5]
 
 
+@pytest.mark.fault("generate", "resume meets existing objects (same/other/larger bytes)")
 async def test_resume_recognises_an_existing_object_with_the_same_bytes(host, tmp_path):
     """generate --resume without a journal (recover_existing): an object_exists whose stored bytes are exactly
     this run's encoding is ready ("recovered": "rerun_match", journaled as ready); different or larger bytes stay
@@ -407,6 +438,7 @@ async def test_resume_recognises_an_existing_object_with_the_same_bytes(host, tm
         ("failed", "object_exists")]
 
 
+@pytest.mark.fault("generate", "resume with a target that cannot read back")
 async def test_resume_recovery_without_read_back_keeps_object_exists(host):
     """A target that cannot read back (no open(), as presigned grants) recovers nothing: object_exists."""
     key = f"runs/{uuid.uuid4().hex}.gart"
@@ -519,6 +551,7 @@ class FakeLogprobWorker:
      (None, "failed")],
     ids=["aligned", "positions", "token-mismatch", "nan", "missing"],
 )
+@pytest.mark.fault("encoder", "worker logprob samples misaligned")
 async def test_worker_logprob_source_aligns_by_position_and_token(host, monkeypatch, reply, state):
     monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "worker")
     s = session(host)
@@ -536,11 +569,13 @@ async def test_worker_logprob_source_aligns_by_position_and_token(host, monkeypa
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.fault("admission", "non-finite sampling value")
 def test_non_finite_sampling_values_are_refused_by_name(host, bad):
     with pytest.raises(AdmissionError, match="sampling temperature="):
         session(host, spec()).admit(3, 4, sampling={"temperature": bad})
 
 
+@pytest.mark.fault("encoder", "non-JSON header values")
 def test_encoder_raises_format_error_for_non_json_values():
     from genartifact import format as fmt
     from genartifact.errors import ArtifactFormatError
@@ -560,6 +595,7 @@ def test_admission_counts_token_bytes(host, monkeypatch):
     session(host, spec(["selected_logprobs"])).admit(500, 1)  # 2 KB of tokens fits
 
 
+@pytest.mark.fault("encoder", "route row count mismatch")
 async def test_route_row_count_mismatch_is_capture_invalid(host):
     """Native routes with one row fewer than prompt + completion - 1: the producer's row-count check refuses
     it (capture_invalid, nothing stored), not the encoder."""
@@ -576,8 +612,7 @@ async def test_route_row_count_mismatch_is_capture_invalid(host):
     producer = s._producers[0]
     with pytest.raises(CaptureError, match="3 rows captured; expected prompt \\+ completion - 1 - start = 4"):
         producer.finalize(FinalContext(3, 2))
-    r = await s.finalize()
-    assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+    await fails_storing_nothing(s)
 
 
 def test_worst_case_formula_is_exact(host):
@@ -594,6 +629,7 @@ def test_worst_case_formula_is_exact(host):
 
 @pytest.mark.parametrize("prompt, max_tokens, field", [(-1, 4, "prompt_token_count"), (3, 0, "max_tokens"),
                                                        (True, 4, "prompt_token_count"), (3, 2.0, "max_tokens")])
+@pytest.mark.fault("admission", "bad token counts")
 def test_admission_token_counts_are_checked_by_name(host, prompt, max_tokens, field):
     with pytest.raises(AdmissionError, match=field):
         session(host, spec()).admit(prompt, max_tokens)
@@ -612,6 +648,7 @@ async def test_every_delivery_journals_an_outcome(host, tmp_path):
     assert [(d["last_state"], d["last_code"]) for d in j.deliveries()] == [("ready", None), ("failed", "object_exists")]
 
 
+@pytest.mark.fault("encoder", "producer retaining over its budget")
 def test_retained_bytes_over_budget_fail_the_capture(host, monkeypatch):
     """The budget backstop: a producer retaining more than admitted fails the capture (capture_invalid) at the
     delta that crosses it, one byte over is enough."""
@@ -663,6 +700,7 @@ def test_route_admission_bytes_are_exact_with_a_start(host):
     assert MoeRoutes(MODEL).admit(AdmissionContext(4, 1, 4, MODEL, {})) == 0 + 32 * 4 + 256  # no rows at all
 
 
+@pytest.mark.fault("encoder", "native routes: ids far out of range, bad layer axis")
 async def test_native_routes_refuse_ids_far_out_of_range_and_bad_layer_axis(host):
     from genartifact.errors import CaptureError
 
@@ -698,6 +736,7 @@ def _routes_section(**kw):
     (_routes_section(token_start=5), np.zeros((2, 0, 2), np.uint8), "token_start 5 out of range 0..4"),
     (_routes_section(router_ids=[], expert_counts=[]), np.zeros((0, 3, 2), np.uint8), "must list 0 routers"),
 ])
+@pytest.mark.fault("reader", "moe_routes section/tensor violations")
 def test_routes_reader_refuses(section, ids, match):
     from genartifact.errors import ArtifactFormatError
     from genartifact_route_capture import READER
@@ -797,6 +836,7 @@ async def test_worker_logprobs_fetched_once_discard_after_fetch_is_a_no_op(host,
     ([-0.5, -0.25, -1.0], {"token_start": 300}, r"f32 \[2\]"),
     ([-0.5], {"token_start": 300}, r"f32 \[2\]"),
 ])
+@pytest.mark.fault("reader", "selected_logprobs section/tensor violations")
 def test_logprobs_reader_refuses(values, section, match):
     from genartifact.errors import ArtifactFormatError
     from genartifact_logprobs import READER

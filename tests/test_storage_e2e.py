@@ -62,6 +62,7 @@ def session(host, s3, target, journal=None):
     return s
 
 
+@pytest.mark.fault("presigned", "second presigned PUT to a SeaweedFS key")
 async def test_presigned_put_to_s3_and_create_only(host, s3_server, tmp_path):
     key = f"presigned/{uuid.uuid4().hex}.gart"
     journal = DeliveryJournal(tmp_path / "j.jsonl")
@@ -80,6 +81,7 @@ async def test_presigned_put_to_s3_and_create_only(host, s3_server, tmp_path):
     assert journal.unresolved() == []  # 412: the store kept nothing of the second delivery
 
 
+@pytest.mark.fault("presigned", "SeaweedFS 403s: tampered signature, expired URL")
 async def test_real_store_403s_are_classified_by_body(host, s3_server):
     """SeaweedFS checks SigV4: a tampered signature, a signed header sent with another value, and an expired URL
     each give 403; the receipt says which (only the expired one is ``expired``). Nothing is stored."""
@@ -102,6 +104,7 @@ async def test_real_store_403s_are_classified_by_body(host, s3_server):
         assert "Contents" not in s3_server["client"].list_objects_v2(Bucket="ga-test", Prefix=k)
 
 
+@pytest.mark.fault("presigned", "grant missing a signed header (SeaweedFS)")
 def test_grant_missing_a_signed_header_is_refused_before_inference(host, s3_server):
     from genartifact.errors import TargetError
 
@@ -111,6 +114,7 @@ def test_grant_missing_a_signed_header_is_refused_before_inference(host, s3_serv
         session(host, s3_server, presigned_target(s3_server, key, url=url))
 
 
+@pytest.mark.fault("presigned", "grant expiring after admission (SeaweedFS)")
 async def test_grant_expiring_after_admission_is_never_sent(host, s3_server):
     key = f"presigned/{uuid.uuid4().hex}.gart"
     t = presigned_target(s3_server, key)
@@ -181,6 +185,7 @@ async def test_event_loop_lag_during_64_deliveries(host, s3_server, monkeypatch)
     assert p99 < 250, f"event loop blocked: p99 lag {p99:.0f} ms"
 
 
+@pytest.mark.fault("s3", "64 deliveries with cancellations")
 async def test_64_concurrent_deliveries_bounded_pipeline_no_leaks(host, s3_server, monkeypatch):
     monkeypatch.setenv("GENARTIFACT_PIPELINE_CONCURRENCY", "4")
     host._pipelines.clear()
@@ -279,6 +284,7 @@ path = "{tmp_path}/journal.jsonl"
 
 
 @pytest.mark.engine
+@pytest.mark.fault("generate", "crash before any receipt, no journal, --resume on SeaweedFS")
 def test_resume_without_journal_recognises_stored_objects_on_s3(s3_server, qwen_model, tmp_path):
     """generate --resume with no journal and no receipts (a crash before any receipt was written): rows whose
     object is already on SeaweedFS with exactly the bytes the rerun encodes (temperature 0) are ready

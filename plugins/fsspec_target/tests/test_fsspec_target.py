@@ -54,6 +54,7 @@ def test_relative_url_resolves_against_base_dir(tmp_path):
         ({"p": {"url": "memory://x", "allowed_prefixes": [""], "password": "hunter2"}}, r"unknown key\(s\) \['password'\]"),
     ],
 )
+@pytest.mark.fault("managed", "bad profile settings")
 def test_bad_profiles(profiles, match):
     with pytest.raises(ConfigError, match=match) as e:
         parse_profiles({"profiles": profiles})
@@ -61,11 +62,13 @@ def test_bad_profiles(profiles, match):
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a/./b", "a//b", "a\\b", "a/b/", "é/x", "a b"])
+@pytest.mark.fault("managed", "bad object keys")
 def test_bad_keys(key):
     with pytest.raises(TargetError):
         validate_key(key)
 
 
+@pytest.mark.fault("managed", "key outside the allowed prefixes")
 def test_prefix_boundary(tmp_path):
     t = target(tmp_path)
     assert t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "other/x/y"}).object_id == "disk:other/x/y"
@@ -82,6 +85,7 @@ def test_storage_options_never_in_repr(tmp_path):
     assert "hunter2" not in repr(prof) and "hunter2" not in repr(ManagedFsspecTarget({"p": prof}))
 
 
+@pytest.mark.fault("managed", "second write to a file:// key")
 def test_local_create_only_atomic_no_temp_left(tmp_path):
     t = target(tmp_path)
     v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
@@ -96,6 +100,7 @@ def test_local_create_only_atomic_no_temp_left(tmp_path):
     assert (tmp_path / "runs/a/b.gart").stat().st_mode & 0o777 == 0o666 & ~mask  # readable by a trainer
 
 
+@pytest.mark.fault("managed", "write failing half-way (file://)")
 def test_local_write_failure_leaves_nothing(tmp_path):
     t = target(tmp_path)
     (tmp_path / "runs").write_text("a file where a directory is needed")
@@ -105,6 +110,7 @@ def test_local_write_failure_leaves_nothing(tmp_path):
     assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
 
 
+@pytest.mark.fault("managed", "second write to a memory:// key")
 def test_memory_create_only(mem_root):
     t = target("/unused", mem_root)
     v = t.validate({"kind": "managed_fsspec", "profile": "mem", "object_key": "k1"})
@@ -115,6 +121,7 @@ def test_memory_create_only(mem_root):
 
 
 @pytest.mark.parametrize("profile", ["mem", "disk"])
+@pytest.mark.fault("managed", "32 concurrent writers to one key")
 def test_concurrent_writers_exactly_one_ready(tmp_path, mem_root, profile, monkeypatch):
     """Create-only is atomic: 32 writers racing on one key (threads and tasks) -> exactly one succeeds and the
     stored bytes are the winner's. The memory store's existence check is slowed to widen any race window."""
@@ -185,6 +192,7 @@ def test_read_back_protocol(tmp_path, mem_root, profile):
         asyncio.run(t.delete(oid, "XYZ"))
 
 
+@pytest.mark.fault("managed", "conditional delete of an object over max_bytes")
 def test_conditional_delete_never_reads_past_max_bytes(tmp_path):
     import hashlib
 
@@ -195,6 +203,7 @@ def test_conditional_delete_never_reads_past_max_bytes(tmp_path):
     assert (tmp_path / "runs/big").exists()
 
 
+@pytest.mark.fault("managed", "temp files left by a crash")
 def test_crash_temp_files_listed_and_removed_with_age_guard(tmp_path):
     t = target(tmp_path)
     (tmp_path / "runs/sub").mkdir(parents=True)
@@ -212,6 +221,7 @@ def test_crash_temp_files_listed_and_removed_with_age_guard(tmp_path):
         asyncio.run(t.remove_leftover({"profile": "disk", "path": str(tmp_path / "runs/.tmp-not-ours")}))
 
 
+@pytest.mark.fault("managed", "object over the profile's max_bytes")
 def test_over_max_bytes_refused_before_write(tmp_path):
     t = target(tmp_path, max_bytes=4)
     v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/big"})
@@ -248,6 +258,7 @@ def _sha(b):
 
 
 @pytest.mark.parametrize("race", ["replaced", "removed", "none"])
+@pytest.mark.fault("managed", "file replaced or removed while hashed for delete")
 def test_local_conditional_delete_keeps_a_file_replaced_while_hashing(tmp_path, monkeypatch, race):
     """The file checked is the file deleted: replaced (other inode, even with the same bytes) or removed between
     the hash and the unlink -> False, the new file is kept; untouched -> deleted."""
@@ -329,6 +340,7 @@ class _ClientError(Exception):
     (404, "", True), (None, "NoSuchKey", True), (None, "NotFound", True), (None, "404", True),
     (403, "AccessDenied", False), (400, "BadRequest", False), (405, "MethodNotAllowed", False),
     (410, "Gone", False), (500, "InternalError", False), (None, "", False)])
+@pytest.mark.fault("s3", "read-back error classified")
 def test_read_back_404_means_absent_other_errors_do_not(status, code, absent):
     from genartifact_fsspec_target import _is_not_found
 
@@ -346,6 +358,7 @@ def test_read_back_404_means_absent_other_errors_do_not(status, code, absent):
     (403, "AccessDenied", 0, True, "delivery_failed"),
     (411, "MissingContentLength", 1, True, "delivery_failed"),
 ])
+@pytest.mark.fault("s3", "conditional PutObject answer")
 def test_s3_conditional_put_outcomes(monkeypatch, status, code, retries, matches, outcome):
     """A 412 on a resent PUT is checked by read-back (ours -> success, else object_exists); on the first PUT and
     for 409 it is object_exists without a read; any other 4xx is delivery_failed."""

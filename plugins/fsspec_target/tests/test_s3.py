@@ -36,6 +36,7 @@ def test_put_and_read_back(s3_server):
     assert got == b"hello artifact" == open_object(t.profiles["s3"], k)
 
 
+@pytest.mark.fault("s3", "second write to an S3 key")
 def test_conditional_create_never_overwrites(s3_server):
     t, k = target(s3_server), key()
     deliver(t, k, b"first")
@@ -63,6 +64,7 @@ def _resend_first_put(monkeypatch):
     return calls
 
 
+@pytest.mark.fault("s3", "landed PUT resent (response lost)")
 def test_retry_after_landed_put_is_idempotent(s3_server, monkeypatch):
     """A PUT that landed but whose response was lost is resent; the resend meets 412, the stored bytes are read
     back and are ours: success, stored once."""
@@ -78,6 +80,7 @@ def test_retry_after_landed_put_is_idempotent(s3_server, monkeypatch):
     assert s3_server["client"].get_object(Bucket="ga-test", Key=f"art/{k}")["Body"].read() == b"same bytes"
 
 
+@pytest.mark.fault("s3", "duplicate request with identical bytes")
 def test_duplicate_with_identical_bytes_is_object_exists(s3_server, monkeypatch):
     """A 412 on the first PUT is an object that was there before this delivery: object_exists even when its bytes
     are identical (a duplicate request), with no read-back at all."""
@@ -134,6 +137,7 @@ def test_checksum_header_is_configurable(s3_server, monkeypatch):
     assert any(h.startswith("x-amz-checksum") or h == "x-amz-sdk-checksum-algorithm" for h in sent[0][1])
 
 
+@pytest.mark.fault("s3", "bad checksum mode")
 def test_bad_checksum_mode_refused():
     from genartifact.errors import ConfigError
 
@@ -168,6 +172,7 @@ def test_one_client_per_profile_and_event_loop(s3_server, monkeypatch):
     assert made == ["s3", "s3"]
 
 
+@pytest.mark.fault("s3", "resent PUT meets a large foreign object")
 def test_retry_check_asks_size_first_and_never_reads_a_foreign_object(s3_server, monkeypatch):
     """A resent PUT meets a foreign object of another size at the key: object_exists after a HEAD, with no GET
     at all."""
@@ -217,6 +222,7 @@ def blackhole_port():
                                               "timeout_s": 2.0}, 3),    # per-read timeout
                                              ({"read_timeout_s": 30, "timeout_s": 0.5}, 2)],  # whole-delivery deadline
                          ids=["read-timeout", "deadline"])
+@pytest.mark.fault("s3", "unresponsive endpoint")
 def test_unresponsive_endpoint_times_out(s3_server, blackhole_port, profile, limit):
     t = target(at_endpoint(s3_server, blackhole_port), **profile)
     t0 = time.monotonic()
@@ -225,6 +231,7 @@ def test_unresponsive_endpoint_times_out(s3_server, blackhole_port, profile, lim
     assert e.value.code == "timeout" and time.monotonic() - t0 < limit
 
 
+@pytest.mark.fault("s3", "refused endpoint")
 def test_refused_endpoint_fails_without_detail(s3_server):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -247,6 +254,7 @@ def test_profiles_from_environment(s3_server, monkeypatch):
     assert sorted(profiles) == ["envp", "local"] and profiles["envp"].is_s3
 
 
+@pytest.mark.fault("s3", "bad GENARTIFACT_STORAGE_PROFILES")
 def test_bad_environment_profiles(monkeypatch):
     from genartifact.errors import ConfigError
 
@@ -312,6 +320,7 @@ def test_max_attempts_is_the_number_of_puts_sent(s3_server, attempts):
     assert len(seen) == attempts
 
 
+@pytest.mark.fault("s3", "wrong secret in storage_options")
 def test_credentials_come_from_storage_options_not_the_environment(s3_server, monkeypatch):
     """The profile's storage_options key/secret sign the requests: with the environment's AWS_* credentials
     removed the delivery works; with a wrong secret in storage_options (and correct ones in the environment) the
