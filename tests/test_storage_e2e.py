@@ -288,8 +288,8 @@ path = "{tmp_path}/journal.jsonl"
 def test_resume_without_journal_recognises_stored_objects_on_s3(s3_server, qwen_model, tmp_path):
     """generate --resume with no journal and no receipts (a crash before any receipt was written): rows whose
     object is already on SeaweedFS with exactly the bytes the rerun encodes (temperature 0) are ready
-    ("recovered": "rerun_match"); an unseeded temperature-1 row encodes other bytes and stays object_exists; the
-    stored objects are never replaced."""
+    ("recovered": "rerun_match"); a row whose rerun encodes other bytes (its temperature changed in between, which
+    the artifact header records) stays object_exists; the stored objects are never replaced."""
     cfg = tmp_path / "genartifact.toml"
     cfg.write_text(f"""
 [plugins]
@@ -304,7 +304,7 @@ storage_options = {json.dumps(s3_server['storage_options']).replace('": ', '" = 
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "The quick brown fox.", "max_tokens": 6, "temperature": 0},
             {"prompt": "Once upon a time", "max_tokens": 9, "temperature": 0},
-            {"prompt": "Numbers such as 1, 2, 3.", "max_tokens": 12}]  # temperature 1, unseeded
+            {"prompt": "Numbers such as 1, 2, 3.", "max_tokens": 12, "temperature": 0.5}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "receipts.jsonl"
     run_id = f"resume-{uuid.uuid4().hex[:8]}"
@@ -316,6 +316,8 @@ storage_options = {json.dumps(s3_server['storage_options']).replace('": ', '" = 
     before = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert [before[i]["state"] for i in range(3)] == ["ready"] * 3
     out.write_text("")  # the crash: every object stored, no receipt written, no journal configured
+    rows[2]["temperature"] = 0  # this row's rerun now encodes other bytes (header sampling.temperature)
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     second = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     after = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(after) == [0, 1, 2], second.stderr[-3000:]
