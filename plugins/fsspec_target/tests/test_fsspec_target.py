@@ -352,6 +352,8 @@ def test_read_back_404_means_absent_other_errors_do_not(status, code, absent):
     (412, "PreconditionFailed", 2, False, "object_exists"),
     (None, "PreconditionFailed", 1, False, "object_exists"),
     (412, "PreconditionFailed", 0, True, "object_exists"),  # first PUT: there before us, even if identical
+    (412, "", 1, True, "idempotent"),  # the status alone decides (a store that sends no error code)
+    (409, "", 1, True, "object_exists"),
     (409, "ConditionalRequestConflict", 1, True, "object_exists"),  # a concurrent conditional write: never ours
     (None, "ConditionalRequestConflict", 1, False, "object_exists"),
     (400, "BadDigest", 1, True, "delivery_failed"),
@@ -387,5 +389,45 @@ def test_s3_conditional_put_outcomes(monkeypatch, status, code, retries, matches
             asyncio.run(ft._write_s3_create_only(prof, "runs/x", b"abc", _sha(b"abc")))
         assert e.value.code == ("object_exists" if outcome == "object_exists" else "delivery_failed")
     # read back (size first) only for a failed precondition on a resend that is not a 409
-    reads = status != 409 and retries > 0 and code in ("PreconditionFailed", "ConditionalRequestConflict")
+    reads = status != 409 and retries > 0 and (status == 412 or code in ("PreconditionFailed",
+                                                                         "ConditionalRequestConflict"))
     assert checked == ([3] if reads else [])
+
+
+@pytest.mark.fault("managed", "object larger than one read chunk or one byte over max_bytes")
+def test_read_back_across_chunks_and_at_the_size_limit(tmp_path):
+    """Objects over the 1 MiB read chunk come back whole (file:// through open() and through the streaming
+    open_object()); exactly max_bytes is accepted, one byte more is ObjectTooLargeError, never truncated."""
+    from genartifact.errors import ObjectTooLargeError
+    from genartifact_fsspec_target import _read_capped_fileobj, open_object
+
+    size = (1 << 20) + (1 << 19) + 7
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs/big").write_bytes(data)
+    t = target(tmp_path, max_bytes=size)
+    assert asyncio.run(t.open("disk:runs/big", size)) == data
+    assert open_object(t.profiles["disk"], "runs/big") == data
+    small = target(tmp_path, max_bytes=size - 1)
+    with pytest.raises(ObjectTooLargeError):
+        open_object(small.profiles["disk"], "runs/big")  # no size known up front: streamed, stopped at +1
+    with pytest.raises(ObjectTooLargeError):
+        asyncio.run(small.open("disk:runs/big", size - 1))
+    import io
+
+    for cap in (size, size - 1, 10):  # unknown size: never more than cap + 1 bytes read
+        f = io.BytesIO(data)
+        got = _read_capped_fileobj(f, None, cap)
+        assert got == (data if cap >= size else None)
+        assert f.tell() <= cap + 1
+
+
+def test_profile_dataclass_defaults_match_the_documented_ones():
+    """docs/storage.md: timeouts 60 s whole / 5 s connect / 30 s read, 3 attempts, checksum when_required."""
+    import dataclasses
+
+    from genartifact_fsspec_target import Profile
+
+    d = {f.name: f.default for f in dataclasses.fields(Profile)}
+    assert (d["timeout_s"], d["connect_timeout_s"], d["read_timeout_s"], d["max_attempts"], d["checksum"]) == \
+        (60.0, 5.0, 30.0, 3, "when_required")
