@@ -735,6 +735,9 @@ def _routes_section(**kw):
     (_routes_section(expert_counts=[8, 300]), np.zeros((2, 3, 2), np.uint8), "dtype must be u16"),
     (_routes_section(token_start=5), np.zeros((2, 0, 2), np.uint8), "token_start 5 out of range 0..4"),
     (_routes_section(router_ids=[], expert_counts=[]), np.zeros((0, 3, 2), np.uint8), "must list 0 routers"),
+    (_routes_section(top_k=2.0), None, "top_k 2.0 != tensor top_k 2"),
+    (_routes_section(top_k=3), None, "top_k 3 != tensor top_k 2"),
+    (_routes_section(top_k=True), np.zeros((2, 3, 1), np.uint8), "top_k True != tensor top_k 1"),
 ])
 @pytest.mark.fault("reader", "moe_routes section/tensor violations")
 def test_routes_reader_refuses(section, ids, match):
