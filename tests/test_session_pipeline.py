@@ -831,6 +831,8 @@ async def test_worker_logprobs_fetched_once_discard_after_fetch_is_a_no_op(host,
 
 
 @pytest.mark.parametrize("values, section, match", [
+    ([float("nan"), float("inf")], {"token_start": 300}, r"selected_logprobs\[0\] is nan"),  # the first one named
+    (np.asarray([-0.5, -0.25], np.float64), {"token_start": 300}, r"f32 \[2\]"),
     ([-0.5, float("inf")], {"token_start": 300}, r"selected_logprobs\[1\] is inf"),
     ([float("inf"), -0.5], {"token_start": 300}, r"selected_logprobs\[0\] is inf"),
     ([-0.5, -0.25, float("nan")], {"token_start": 300}, r"selected_logprobs\[2\] is nan"),
@@ -846,7 +848,8 @@ def test_logprobs_reader_refuses(values, section, match):
 
     man = {"prompt_token_count": 300, "completion_token_count": 2 if len(values) != 3 or "nan" not in match else 3}
     with pytest.raises(ArtifactFormatError, match=match):
-        READER.validate(man, section, {"selected_logprobs.logprobs": np.asarray(values, np.float32)})
+        arr = values if isinstance(values, np.ndarray) else np.asarray(values, np.float32)
+        READER.validate(man, section, {"selected_logprobs.logprobs": arr})
 
 
 def test_logprobs_reader_accepts_minus_inf_positive_finite_and_large_prompts():
