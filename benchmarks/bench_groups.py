@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import synthetic_routes  # noqa: E402
+from common import add_smoke, synthetic_routes  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,10 @@ def main() -> None:
     ap.add_argument("--routers", type=int, default=48)
     ap.add_argument("--mismatch-at", type=int, default=100,
                     help="prompt position where one sample's 3 rows differ (-1: none)")
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.prompt, args.samples, args.completion, args.routers, args.mismatch_at = 64, 2, 16, 4, 10
     from genartifact import format as fmt
     from genartifact import groups
 
@@ -72,7 +75,7 @@ def main() -> None:
     print(f"without dedup: {without / 1e6:.2f} MB ({n} full artifacts; encode {t_full:.2f} s)")
     print(f"with dedup   : {with_ / 1e6:.2f} MB (prompt part {part.byte_count / 1e6:.2f} MB + {n} sample parts; "
           f"encode {t_dedup:.2f} s)")
-    print(f"ratio with / without = {with_ / without:.3f}  (saving {1 - with_ / without:.1%})")
+    print(f"RATIO stored bytes with / without dedup: {with_ / without:.3f}  (saving {1 - with_ / without:.1%})")
     print(f"prompt-row mismatches kept with their sample: {[sp.prompt_row_mismatches for sp in sparts]}")
     print(f"joined rows equal the non-deduplicated rows for every sample: {exact}")
     assert exact

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import time
 import tracemalloc
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import synthetic_routes  # noqa: E402
+from common import add_smoke, load_line, ratio_line, rotation, side_line, synthetic_routes  # noqa: E402
 
 
 def build(n: int, tokens: int, routers: int, prompt: int) -> list:
@@ -56,7 +55,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=768)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.n, args.tokens, args.routers, args.prompt, args.reps = 8, 64, 4, 32, 1
     import s3fs
     from genartifact import loaders
     from genartifact.testing.s3server import SeaweedS3
@@ -79,9 +81,13 @@ def main() -> None:
             "url": "s3://bench/l", "allowed_prefixes": ["runs/"], "storage_options": so}}}))
         paths = [f"bench/l/runs/{i:05d}.gart" for i in range(args.n)]
 
-        async def bare() -> float:
-            fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **so)
-            await fs.set_session()
+        fs_holder: list = []
+
+        async def bare() -> float:  # one s3fs filesystem per loop, reused (warm), as ours reuses its client
+            if not fs_holder:
+                fs_holder.append(s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **so))
+                await fs_holder[0].set_session()
+            fs = fs_holder[0]
             sem = asyncio.Semaphore(args.concurrency)
 
             async def one(p: str) -> int:
@@ -93,7 +99,6 @@ def main() -> None:
             got = await asyncio.gather(*(one(p) for p in paths))
             dt = time.perf_counter() - t0
             assert sum(got) == total
-            await fs._s3.close()
             return dt
 
         async def ours(layout: str = "slime") -> float:
@@ -105,18 +110,19 @@ def main() -> None:
             return dt
 
         async def run_all() -> None:
-            await ours()  # warm: client creation, connection pool, page cache on the server
+            await ours()  # warm both sides: client creation, connection pool, page cache on the server
             await bare()
-            b, o = [], []
-            for _ in range(args.reps):
-                b.append(await bare())
-                o.append(await ours())
-            bm, om = statistics.median(b), statistics.median(o)
-            print(f"bare s3fs cat + np.frombuffer : median {bm:.3f} s  ({args.n / bm:.0f} objects/s, "
-                  f"{total / bm / 1e6:.0f} MB/s)  runs {[round(x, 3) for x in b]}")
-            print(f"loaders (verify+decode+slime) : median {om:.3f} s  ({args.n / om:.0f} objects/s)  "
-                  f"runs {[round(x, 3) for x in o]}")
-            print(f"ratio (bare time / loaders time) = {bm / om:.2f}   target >= 0.8")
+            sides = {"bare s3fs cat + frombuffer": bare, "loaders verify+decode+slime": ours}
+            times: dict[str, list[float]] = {k: [] for k in sides}
+            for r in range(args.reps):
+                for name in rotation(list(sides), r):
+                    times[name].append(await sides[name]())
+            await fs_holder[0]._s3.close()
+            print(f"{args.reps} runs alternated in rotating order, concurrency {args.concurrency}; {load_line()}")
+            for name, ts in times.items():
+                print(side_line(name, [args.n / t for t in ts], "objects/s"))
+            print(ratio_line("loaders / bare s3fs (throughput)", times["loaders verify+decode+slime"],
+                             times["bare s3fs cat + frombuffer"], ">= 0.8", higher_is_better=False))
 
             # peak transient memory vs the bound: results discarded (layout returns a scalar)
             for bound in (1 << 20, 8 << 20):

@@ -1,7 +1,8 @@
 """Cost of per-step deltas in the batch job: generation tokens/s when every request streams one delta per engine
 step (what a content with ``per_step_deltas = True`` causes, e.g. the template's ``token_timestamps``) ÷ tokens/s
 with one final delta per request (vLLM ``FINAL_ONLY``, the job's default), both with moe_routes +
-selected_logprobs captured and delivered to file://. Same engine, rounds alternate to cancel drift; best round.
+selected_logprobs captured and delivered to file://. Same engine, rounds alternate in a rotating order; both sides
+report median and best round, the ratios also per round (paired).
 Also prints the driver process's CPU time per token (the per-step cost is front-end output processing; CPU time
 does not depend on other load on the machine).
 
@@ -12,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.",
            "Once upon a time, in a small village near the mountains, there lived an old woman who kept bees.",
@@ -52,16 +57,22 @@ async def main_async(args) -> None:
     ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
     for mode in (False, True):  # warm-up
         await round_(eng, ids_list, 8, mode, root, args.inflight)
-    final, step = [], []
-    for _ in range(args.rounds):
-        final.append(await round_(eng, ids_list, args.max_tokens, False, root, args.inflight))
-        step.append(await round_(eng, ids_list, args.max_tokens, True, root, args.inflight))
-    eng.shutdown()
-    print(f"final-only tokens/s: {[round(x[0]) for x in final]}; driver CPU us/token {[round(x[1]) for x in final]}")
-    print(f"per-step   tokens/s: {[round(x[0]) for x in step]}; driver CPU us/token {[round(x[1]) for x in step]}")
-    print(f"per-step / final-only tokens/s (best rounds): {max(x[0] for x in step) / max(x[0] for x in final):.3f}")
-    print(f"per-step / final-only driver CPU per token (best rounds): "
-          f"{min(x[1] for x in step) / min(x[1] for x in final):.3f}")
+    res: dict[str, list[tuple[float, float]]] = {"final-only": [], "per-step": []}
+    try:
+        for r in range(args.rounds):
+            for side in rotation(list(res), r):
+                res[side].append(await round_(eng, ids_list, args.max_tokens, side == "per-step", root, args.inflight))
+    finally:
+        eng.shutdown()
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
+          f"alternated in rotating order; {load_line()}")
+    for side, v in res.items():
+        print(side_line(f"{side} tok/s", [x[0] for x in v], "tok/s"))
+        print(side_line(f"{side} driver CPU", [x[1] for x in v], "us/token", higher_is_better=False))
+    step, final = res["per-step"], res["final-only"]
+    print(ratio_line("per-step / final-only tokens/s", [x[0] for x in step], [x[0] for x in final]))
+    # CPU per token: lower is better; printed as per-step cost ÷ final-only cost (> 1: per-step costs more)
+    print(ratio_line("per-step / final-only driver CPU per token", [x[1] for x in step], [x[1] for x in final]))
 
 
 def main() -> None:
@@ -70,8 +81,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--inflight", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
-    asyncio.run(main_async(ap.parse_args()))
+    ap.add_argument("--rounds", type=int, default=4)
+    add_smoke(ap)
+    args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.inflight, args.max_tokens, args.rounds = 4, 4, 4, 1
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

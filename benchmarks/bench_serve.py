@@ -3,8 +3,11 @@
     .venv/bin/python benchmarks/bench_serve.py [--model .models/tiny-qwen3-moe] [--requests 64] [--concurrency 16]
 
 Starts `genartifact serve` on a free loopback port, then alternates rounds of the same load (non-streaming
-/v1/completions, --max-tokens each) with and without `generation_artifact` (both contents, file:// profile).
-Reports requests/s and tokens/s per side (best and median round) and their ratio, plus server RSS.
+/v1/completions, --max-tokens each) with and without `generation_artifact` (both contents, file:// profile),
+in a rotating order (with, without / without, with / ...). Both sides hit the same server (same engine options,
+same sampling: the server builds the SamplingParams), with the same prompts, concurrency and client settings.
+Reports requests/s and tokens/s per side with the same statistics (median of rounds, best round) and the ratios
+(median-of-rounds, best-round, per-round paired), plus server RSS.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import argparse
 import asyncio
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
 
 
 async def round_(base: str, n: int, conc: int, max_tokens: int, artifacts: bool) -> tuple[float, float]:
@@ -56,8 +61,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.concurrency, args.max_tokens, args.rounds = 4, 4, 4, 1
     root = Path(tempfile.mkdtemp(prefix="ga-bench-serve-"))
     cfg = root / "c.toml"
     cfg.write_text(f'[plugins]\ncontents = ["moe_routes", "selected_logprobs"]\ntargets = ["managed_fsspec"]\n'
@@ -76,23 +84,29 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        asyncio.run(round_(base, 16, args.concurrency, 8, True))
-        asyncio.run(round_(base, 16, args.concurrency, 8, False))
-        on, off = [], []
-        for _ in range(args.rounds):
-            on.append(asyncio.run(round_(base, args.requests, args.concurrency, args.max_tokens, True)))
-            off.append(asyncio.run(round_(base, args.requests, args.concurrency, args.max_tokens, False)))
+        sides = {"with artifacts": True, "without artifacts": False}
+        for flag in sides.values():  # warm-up
+            asyncio.run(round_(base, min(16, args.requests), args.concurrency, 8, flag))
+        res: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+        for r in range(args.rounds):
+            for side in rotation(list(sides), r):
+                res[side].append(asyncio.run(round_(base, args.requests, args.concurrency, args.max_tokens,
+                                                    sides[side])))
         p = psutil.Process(proc.pid)
         rss = sum(x.memory_info().rss for x in [p, *p.children(recursive=True)])
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    best_on, best_off = max(on, key=lambda x: x[1]), max(off, key=lambda x: x[1])
-    print(f"{args.requests} requests x {args.max_tokens} tokens, concurrency {args.concurrency}, {args.rounds} rounds")
-    print(f"  with artifacts   : {best_on[0]:6.1f} req/s  {best_on[1]:7.1f} tok/s  (median {statistics.median(x[1] for x in on):7.1f})")
-    print(f"  without artifacts: {best_off[0]:6.1f} req/s  {best_off[1]:7.1f} tok/s  (median {statistics.median(x[1] for x in off):7.1f})")
-    print(f"  ratio with/without (best): requests/s {best_on[0] / best_off[0]:.3f}, tokens/s {best_on[1] / best_off[1]:.3f}"
-          f"  (target >= 0.9)")
+    print(f"{args.requests} requests x {args.max_tokens} tokens, concurrency {args.concurrency}, {args.rounds} rounds "
+          f"alternated in rotating order; {load_line()}")
+    for side, rounds in res.items():
+        print(side_line(f"{side} req/s", [x[0] for x in rounds], "req/s"))
+        print(side_line(f"{side} tok/s", [x[1] for x in rounds], "tok/s"))
+    on, off = res["with artifacts"], res["without artifacts"]
+    print(ratio_line("serving with / without artifacts, requests/s", [x[0] for x in on], [x[0] for x in off],
+                     ">= 0.95"))
+    print(ratio_line("serving with / without artifacts, tokens/s", [x[1] for x in on], [x[1] for x in off],
+                     ">= 0.95"))
     print(f"  server RSS (all processes) after the run: {rss / 1e6:.0f} MB")
 
 

@@ -6,8 +6,12 @@ and If-None-Match enforced), target >= 0.9.
 
 presigned_http_put ÷ bare ``httpx.put`` of the same kind of presigned URL (If-None-Match signed);
 managed_fsspec (s3://, one reused client per event loop) ÷ a bare boto3 ``put_object(IfNoneMatch="*")``
-with the same checksum setting (none). Best of N per side, alternated to cancel drift; ours run on one
-long-lived event loop, as in ``serve``.
+with the same checksum setting (none). Client state is the same on both sides of each pair: presigned — a fresh
+HTTP connection per upload on both sides (the target opens one ``httpx.AsyncClient`` per delivery; the bare side
+calls ``httpx.put``, which does the same); managed — a warm client on both sides (ours: the per-profile, per-loop
+aiobotocore client of a long-lived event loop, as in ``serve``; bare: one boto3 client reused), each warmed by one
+upload first. Repetitions alternate the four sides in a rotating order; every side reports median and best, each
+ratio also per repetition (paired).
 """
 
 from __future__ import annotations
@@ -16,18 +20,26 @@ import argparse
 import asyncio
 import hashlib
 import os
+import sys
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=6)
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.mib, args.reps = 1, 1
     import boto3
     from botocore.config import Config
     from genartifact.testing.s3server import SeaweedS3
@@ -84,19 +96,21 @@ def main() -> None:
     fns = {"ours_presigned": ours_presigned, "bare_httpx": bare_httpx, "ours_managed": ours_managed,
            "bare_boto3": bare_boto3}
     for f in fns.values():
-        f()  # warm-up
-    for _ in range(args.reps):
-        for name, f in fns.items():
-            res[name].append(f())
+        f()  # warm-up (managed: creates the per-loop client; bare boto3: opens its connection pool)
+    for r in range(args.reps):
+        for name in rotation(list(fns), r):
+            res[name].append(fns[name]())
     loop.run_until_complete(loop.shutdown_asyncgens())  # closes the loop's S3 client (as asyncio.run does)
     loop.close()
     server.stop()
     mb = len(data) / 1e6
+    print(f"{args.mib} MiB per upload, {args.reps} repetitions alternated in rotating order; {load_line()}")
     for name, ts in res.items():
-        print(f"{name:15} best {mb / min(ts):7.1f} MB/s  (median {mb / sorted(ts)[len(ts) // 2]:7.1f})")
-    print(f"presigned_http_put / bare httpx PUT = {min(res['bare_httpx']) / min(res['ours_presigned']):.3f}  (target >= 0.9)")
-    print(f"managed_fsspec s3 / bare boto3 put  = {min(res['bare_boto3']) / min(res['ours_managed']):.3f}  (target >= 0.9)")
-
+        print(side_line(name, [mb / t for t in ts], "MB/s"))
+    print(ratio_line("presigned_http_put / bare httpx PUT (throughput)", res["ours_presigned"], res["bare_httpx"],
+                     ">= 0.9", higher_is_better=False))
+    print(ratio_line("managed_fsspec s3 / bare boto3 put (throughput)", res["ours_managed"], res["bare_boto3"],
+                     ">= 0.9", higher_is_better=False))
 
 if __name__ == "__main__":
     main()

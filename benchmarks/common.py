@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 
 
@@ -27,3 +29,55 @@ def order0_entropy_bytes(routes: np.ndarray) -> float:
         p = counts[counts > 0] / layer.size
         total_bits += -(p * np.log2(p)).sum() * layer.size
     return total_bits / 8
+
+
+# ------------------------------------------------------------------ fair same-run comparisons (issue 13)
+# Every benchmark alternates its sides round by round in a rotating order (so neither side always runs
+# first or right after the other's warm caches) and reports the SAME statistic for every side: the median of
+# the rounds and the best round, plus the per-round paired ratios (both sides of a pair ran back to back).
+
+
+def rotation(names: list[str], round_index: int) -> list[str]:
+    """The order in which the sides run in round ``round_index``: ``names`` rotated left by the round index
+    (round 0: a, b, c; round 1: b, c, a; ...), so each side takes each position equally often."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+def add_smoke(ap) -> None:
+    """``--smoke``: the tiniest sizes and one round, to prove the script runs (tests/test_benchmarks_smoke.py);
+    its numbers mean nothing."""
+    ap.add_argument("--smoke", action="store_true", help="tiniest sizes, 1 round (a test that the script runs)")
+
+
+def side_line(label: str, values: list[float], unit: str, higher_is_better: bool = True) -> str:
+    """One side's rounds: median of rounds and best round (max for rates, min for times), same for every side."""
+    best = max(values) if higher_is_better else min(values)
+    return (f"  {label:<22}: median {statistics.median(values):10.4g} {unit}  best {best:10.4g} {unit}  "
+            f"({len(values)} rounds)")
+
+
+def ratio_line(label: str, num: list[float], den: list[float], target: str = "",
+               higher_is_better: bool = True) -> str:
+    """``RATIO <label>``: a same-run ratio of two sides measured in alternated rounds, as median-of-rounds ratio,
+    best-round ratio and the per-round paired ratios (and their median). ``num``/``den`` are per-round rates
+    (higher is better, e.g. tokens/s) or, with ``higher_is_better=False``, per-round times in seconds, in
+    which case the ratio is den/num (so > 1 still means ``num``'s side is faster)."""
+    if higher_is_better:
+        med, best = statistics.median(num) / statistics.median(den), max(num) / max(den)
+        paired = [a / b for a, b in zip(num, den, strict=True)]
+    else:
+        med, best = statistics.median(den) / statistics.median(num), min(den) / min(num)
+        paired = [b / a for a, b in zip(num, den, strict=True)]
+    t = f"  (target {target})" if target else ""
+    return (f"RATIO {label}: median-of-rounds {med:.3f}, best-round {best:.3f}, paired per round "
+            f"[{', '.join(f'{p:.3f}' for p in paired)}] median {statistics.median(paired):.3f}{t}")
+
+
+def load_line() -> str:
+    """The machine's load average now (``os.getloadavg``: 1, 5, 15 minutes) and its CPU count, to record next to
+    a measurement."""
+    import os
+
+    a, b, c = os.getloadavg()
+    return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"

@@ -36,7 +36,8 @@ def deepseek_model() -> Path:
 def host():
     from genartifact.host import PluginHost
 
-    return PluginHost({"contents": ["moe_routes", "selected_logprobs", "top_logprobs"], "targets": ["managed_fsspec"]})
+    return PluginHost({"contents": ["moe_routes", "selected_logprobs", "top_logprobs", "moe_route_weights"],
+                       "targets": ["managed_fsspec"]})
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -58,3 +58,54 @@ async def test_dense_first_layer_routes(ds_engine, deepseek_model, tmp_path):
     rep = compare(art, hf, tie_tol=0.01)
     print("deepseek replay-check:", rep["layers"], rep["logprobs"])
     assert not verdict(rep, 1.0, 0.05), rep
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def ds_scaled(host, deepseek_model, tmp_path_factory):
+    """The tiny DeepSeek checkpoint with ``routed_scaling_factor = 2.5`` (the shipped tiny model has 1.0, which
+    cannot tell where the factor is applied), served by its own engine."""
+    import json
+    import shutil
+
+    from genartifact.engine.vllm_adapter import VllmEngine
+
+    d = tmp_path_factory.mktemp("ds-scaled") / "model"
+    shutil.copytree(deepseek_model, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["routed_scaling_factor"] = 2.5
+    (d / "config.json").write_text(json.dumps(cfg))
+    eng = await VllmEngine(host, d, seed=0).start()
+    yield eng, d
+    eng.shutdown()
+
+
+async def test_route_weights_deepseek_scaling_and_hf_router(ds_scaled, tmp_path):
+    """moe_route_weights on DeepSeek-V3 routing (sigmoid + e_score_correction_bias, norm_topk_prob): the stored
+    weights are the router's (unbiased scores of the selected experts, renormalised: rows sum to 1) *without*
+    routed_scaling_factor (vLLM applies it to the MoE output: router_scale 1.0, output_scale 2.5), and
+    weights x output_scale equal HF's DeepseekV3TopkRouter weights (which include the factor) expert by expert.
+    Tolerance 6e-3 on the scaled weights (2.4e-3 of a unit weight): vLLM's MLA path differs from HF's by ~1e-3
+    in the hidden states reaching the router (see test_dense_first_layer_routes; measured max 2.7e-3 scaled =
+    1.1e-3 unscaled); a misplaced factor would differ by 1.5 x the weight (> 0.5), a missing renormalisation
+    by tens of percent."""
+    eng, model = ds_scaled
+    ids = eng.tokenizer("Once upon a time, in a small village near the mountains, there lived an old woman "
+                        "who kept bees and counted the flowers in the field every morning.")["input_ids"]
+    spec = {"format": "generation_artifact_v1", "contents": ["moe_routes", "moe_route_weights"],
+            "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "t",
+                                                            "object_key": f"runs/{uuid.uuid4().hex}"}}}
+    settings = {"managed_fsspec": {"profiles": {"t": {"url": f"file://{tmp_path}", "allowed_prefixes": ["runs/"]}}}}
+    res = await eng.run(ids, {"max_tokens": 10, "temperature": 1.0}, spec, settings, routes_start=2)
+    assert res.receipt["state"] == "ready", res.receipt
+    art = fmt.decode((tmp_path / res.receipt["object_id"].split(":", 1)[1]).read_bytes())
+    sec = art.manifest["sections"]["moe_route_weights"]
+    assert sec["router_ids"] == [1, 2, 3] and sec["token_start"] == 2 and sec["dtype"] == "f32"
+    assert sec["router_scale"] == [1.0] * 3 and sec["output_scale"] == [2.5] * 3
+    w = art.content("moe_route_weights")
+    assert w.shape == art.routes().shape == (len(ids) + len(res.completion_token_ids) - 1 - 2, 3, 2)
+    assert np.abs(w.sum(-1) - 1).max() < 1e-5
+    rep = compare(art, HFOracle(model), tie_tol=0.01)
+    worst = max(x["weight_max_abs_diff"] for x in rep["layers"])
+    print("deepseek (routed_scaling_factor 2.5) route weights vs HF:", worst, [x["weight_rows"] for x in rep["layers"]])
+    assert all(x["weight_rows"] >= 0.9 * x["rows"] for x in rep["layers"])
+    assert not verdict(rep, 1.0, 0.05, 6e-3), rep

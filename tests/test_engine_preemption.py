@@ -1,6 +1,7 @@
 """Preemption + recompute on the real engine: a KV cache of 4 blocks of 128 tokens for 6 requests that each
 grow past one block forces vLLM to preempt and recompute; routes must still be complete and attributed to
-the right positions (checked against the HF router oracle)."""
+the right positions (checked against the HF router oracle). The router weights (moe_route_weights) ride the
+same recorder and must survive the same way (checked against the HF router's weights)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import uuid
 import pytest
 import pytest_asyncio
 from engine_helpers import TEXTS, agreement, hf_topk, read, settings
+from genartifact_route_capture.replay_check import HFOracle, compare
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
@@ -26,9 +28,10 @@ async def small_kv_engine(host, qwen_model):
 async def test_routes_survive_preemption_and_recompute(small_kv_engine, qwen_model, tmp_path):
     eng = small_kv_engine
     before = (await eng.worker_call("moe_routes.stats"))[0]["recomputed_positions"]
+    w_before = (await eng.worker_call("moe_route_weights.stats"))[0]["recomputed_positions"]
 
     def spec():
-        return {"format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs"],
+        return {"format": "generation_artifact_v1", "contents": ["moe_routes", "selected_logprobs", "moe_route_weights"],
                 "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "t",
                                                                 "object_key": f"runs/{uuid.uuid4().hex}"}}}
 
@@ -37,7 +40,13 @@ async def test_routes_survive_preemption_and_recompute(small_kv_engine, qwen_mod
     results = await asyncio.gather(*jobs)
     after = (await eng.worker_call("moe_routes.stats"))[0]["recomputed_positions"]
     assert after > before, "the engine did not preempt; the test no longer exercises recompute"
+    w_after = (await eng.worker_call("moe_route_weights.stats"))[0]["recomputed_positions"]
+    assert w_after - w_before == after - before  # the weights saw exactly the same recomputed positions
+    oracle = HFOracle(qwen_model)
     for res in results:
         art = read(tmp_path, res.receipt)
         assert art.routes().shape[0] == len(res.prompt_token_ids) + 140 - 1
         assert agreement(art.routes(), hf_topk(qwen_model, art.token_ids[:-1])) >= 0.97
+        rep = compare(art, oracle)  # weights vs HF's, expert by expert, on the rows whose expert sets agree
+        assert art.content("moe_route_weights").shape == art.routes().shape
+        assert max(x["weight_max_abs_diff"] for x in rep["layers"]) <= 1e-5, rep["layers"]

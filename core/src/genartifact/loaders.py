@@ -26,6 +26,14 @@ sampled token is never fed, so there are ``T - 1 - start`` rows). ``L`` is the n
 (dense layers are absent) unless ``num_layers`` is given: then the layer axis is every decoder layer
 ``0..num_layers-1`` as in vLLM's native tensor, routes placed at their ``router_ids`` and dense layers filled
 with the layout's fill value (0 for verl/slime/raw as vLLM reports them, -1 for nemo_rl and packed).
+
+Router weights (the ``moe_route_weights`` content): ``verl``, ``raw`` and ``packed`` take ``weights=True`` and
+then also return the combine weights of the same experts, float32, in exactly the routes' shape and alignment
+(row *i*, column *j* = the weight of expert ``routes[..., i, layer, j]``; 0.0 wherever the routes hold a fill
+value); :func:`route_weights` gives them in the ``slime``/``raw`` row alignment. The values are the combine
+weights applied to the expert outputs: the stored router weights times the section's ``output_scale`` (1.0
+except where vLLM applies ``routed_scaling_factor`` to the MoE output, DeepSeek-V2/V3), which is what
+HF transformers' routers return and what a trainer replaying weights into its router needs.
 """
 
 from __future__ import annotations
@@ -209,7 +217,8 @@ class Routes:
     absolute position of row 0. ``rows``: ``uint8|uint16 [T - 1 - token_start, R, top_k]`` (token-major view),
     row *i* = experts chosen for the token at position ``token_start + i``, vLLM's top-k order.
     ``router_ids``: decoder-layer index of each of the R routers (ascending); ``expert_counts``: experts per
-    router.
+    router. ``weights``: ``float32 [T - 1 - token_start, R, top_k]`` combine weights aligned with ``rows``
+    (router weights x ``output_scale``), or None when the artifact has no ``moe_route_weights``.
     """
 
     token_ids: np.ndarray
@@ -218,6 +227,7 @@ class Routes:
     rows: np.ndarray
     router_ids: tuple[int, ...]
     expert_counts: tuple[int, ...]
+    weights: np.ndarray | None = None
 
     @property
     def top_k(self) -> int:
@@ -233,8 +243,24 @@ class Routes:
         if "moe_routes" not in art.manifest["sections"]:
             raise LayoutError(f"artifact has no moe_routes content (contents: {art.contents})")
         s = art.manifest["sections"]["moe_routes"]
-        return cls(art.token_ids, art.prompt_token_count, int(s["token_start"]), art.routes(),
-                   tuple(s["router_ids"]), tuple(s["expert_counts"]))
+        rows = art.routes()
+        return cls(art.token_ids, art.prompt_token_count, int(s["token_start"]), rows,
+                   tuple(s["router_ids"]), tuple(s["expert_counts"]), _weights_of(art, s, rows.shape))
+
+    def need_weights(self) -> np.ndarray:
+        """``weights``; raises :class:`LayoutError` when the artifact has no ``moe_route_weights``."""
+        if self.weights is None:
+            raise LayoutError("weights=True but the artifact has no moe_route_weights content")
+        return self.weights
+
+    def weight_axis(self, num_layers: int | None) -> np.ndarray:
+        """``weights`` as ``float32 [rows, L, top_k]``, dense layers (``num_layers`` given) 0.0."""
+        w = self.need_weights()
+        if num_layers is None:
+            return w
+        out = np.zeros((w.shape[0], self.check_num_layers(num_layers), w.shape[2]), np.float32)
+        out[:, list(self.router_ids), :] = w
+        return out
 
     def check_num_layers(self, num_layers: Any) -> int:
         """``num_layers`` as an int; raises :class:`LayoutError` unless last router id < it <= :data:`MAX_LAYERS`."""
@@ -256,6 +282,28 @@ class Routes:
         return out
 
 
+def _weights_of(art: fmt.Artifact, routes: Mapping[str, Any], shape: tuple[int, ...]) -> np.ndarray | None:
+    """The artifact's combine weights ``float32 [rows, R, top_k]`` (router weights x output_scale) or None."""
+    sec = art.manifest["sections"].get("moe_route_weights")
+    if sec is None:
+        return None
+    for key in ("token_start", "router_ids", "top_k"):  # the reader checks this on decode; Routes may be built
+        if sec.get(key) != routes.get(key):              # from a hand-made artifact, so say it precisely here
+            raise LayoutError(f"moe_route_weights {key} {sec.get(key)!r} != moe_routes {key} {routes.get(key)!r}")
+    w = np.asarray(art.content("moe_route_weights"), np.float32)
+    if w.shape != tuple(shape):
+        raise LayoutError(f"moe_route_weights shape {w.shape} != moe_routes rows {tuple(shape)}")
+    return (w * np.asarray(sec["output_scale"], np.float32)[None, :, None]).astype(np.float32)
+
+
+def route_weights(art: fmt.Artifact | Routes, *, num_layers: int | None = None, backend: str = "numpy") -> Any:
+    """Combine weights ``float32 [T - 1 - token_start, L, top_k]``, row *i* = position ``token_start + i``,
+    aligned element by element with :func:`slime` / :func:`raw` routes (dense layers, with ``num_layers``,
+    0.0). Values: the router's top-k weights x ``output_scale`` (module doc). Raises :class:`LayoutError` when
+    the artifact has no ``moe_route_weights`` (or no ``moe_routes``)."""
+    return _backend(Routes.of(art).weight_axis(num_layers), backend)
+
+
 def _check_int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < lo or (hi is not None and v > hi):
         raise LayoutError(f"{name}={v!r} out of range; allowed: integer {lo}..{hi if hi is not None else 'inf'}")
@@ -273,7 +321,7 @@ def _backend(a: np.ndarray, backend: str) -> Any:
 
 
 def verl(art: fmt.Artifact | Routes, *, padded_prompt_len: int, total_len: int, num_layers: int | None = None,
-         backend: str = "numpy") -> Any:
+         backend: str = "numpy", weights: bool = False) -> Any:
     """verl router-replay layout: ``int16 [1, total_len, L, top_k]``.
 
     Convention (verl's ``routed_experts`` handling of vLLM ``AsyncLLM`` output): the prompt is left-padded to
@@ -282,8 +330,11 @@ def verl(art: fmt.Artifact | Routes, *, padded_prompt_len: int, total_len: int, 
     padding, positions before ``token_start``, the last sampled token, right padding) is zero. Dense layers
     (``num_layers`` given) are zero, as vLLM reports them.
 
-    Raises :class:`LayoutError` when ``padded_prompt_len < P``, ``total_len < padded_prompt_len + C``, or an
-    expert id does not fit int16 (more than 32768 experts).
+    With ``weights=True`` returns ``(routes, weights)``: ``weights`` ``float32 [1, total_len, L, top_k]``
+    placed exactly like the routes (0.0 elsewhere).
+
+    Raises :class:`LayoutError` when ``padded_prompt_len < P``, ``total_len < padded_prompt_len + C``, an
+    expert id does not fit int16 (more than 32768 experts), or ``weights=True`` without ``moe_route_weights``.
     """
     r = Routes.of(art)
     p, t = r.prompt_token_count, r.token_ids.shape[0]
@@ -295,7 +346,11 @@ def verl(art: fmt.Artifact | Routes, *, padded_prompt_len: int, total_len: int, 
     out = np.zeros((1, total_len, rows.shape[1], r.top_k), np.int16)
     at = padded_prompt_len - p + r.token_start
     out[0, at : at + rows.shape[0]] = rows
-    return _backend(out, backend)
+    if not weights:
+        return _backend(out, backend)
+    wout = np.zeros(out.shape, np.float32)
+    wout[0, at : at + rows.shape[0]] = r.weight_axis(num_layers)
+    return _backend(out, backend), _backend(wout, backend)
 
 
 def slime(art: fmt.Artifact | Routes, *, num_layers: int | None = None, backend: str = "numpy") -> Any:
@@ -347,45 +402,60 @@ class RawRoutes:
     shape: tuple[int, int, int]
     dtype: str
     token_start: int
+    #: with ``raw(..., weights=True)``: C-order bytes of the combine weights, ``float32`` little-endian, same shape
+    weights_data: bytes | None = None
 
     def array(self) -> np.ndarray:
         """The tensor back from the bytes (read-only view)."""
         return np.frombuffer(self.data, np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
 
+    def weights(self) -> np.ndarray:
+        """The combine weights back from ``weights_data``: ``float32 [rows, L, top_k]`` (read-only view).
+        Raises :class:`LayoutError` when they were not asked for."""
+        if self.weights_data is None:
+            raise LayoutError("no weights: call raw(..., weights=True) on an artifact with moe_route_weights")
+        return np.frombuffer(self.weights_data, np.dtype("<f4")).reshape(self.shape)
 
-def raw(art: fmt.Artifact | Routes, *, num_layers: int | None = None) -> RawRoutes:
+
+def raw(art: fmt.Artifact | Routes, *, num_layers: int | None = None, weights: bool = False) -> RawRoutes:
     """prime-rl layout: raw bytes + shape + dtype of ``uint8|uint16 [T - 1 - token_start, L, top_k]``
     (token-major; the stored router-major tensor is transposed once). Dense layers (``num_layers`` given) are
     zero. Convention: prime-rl's ``RoutedExperts(data, shape, dtype)`` from vllm-router (uint8 for <= 256
-    experts)."""
+    experts). ``weights=True`` adds ``weights_data`` (float32 bytes, same shape; dense layers 0.0)."""
     r = Routes.of(art)
     dt = np.dtype("<u1") if max(r.expert_counts) <= 256 else np.dtype("<u2")
     a = np.ascontiguousarray(r.layer_axis(num_layers, 0, dt))
-    return RawRoutes(a.tobytes(), tuple(a.shape), dt.name, r.token_start)  # type: ignore[arg-type]
+    wd = np.ascontiguousarray(r.weight_axis(num_layers), np.dtype("<f4")).tobytes() if weights else None
+    return RawRoutes(a.tobytes(), tuple(a.shape), dt.name, r.token_start, wd)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
 class Packed:
     """A packed (remove-padding) batch: ``token_ids`` ``int32 [N]``, ``routes`` ``int32 [N, L, top_k]``,
     ``cu_seqlens`` ``int32 [B + 1]`` (sequence *b* occupies ``[cu_seqlens[b], cu_seqlens[b+1])``),
-    ``prompt_token_counts`` ``int32 [B]``; ``N = sum of T_b``."""
+    ``prompt_token_counts`` ``int32 [B]``; ``N = sum of T_b``; ``weights`` (``packed(..., weights=True)``)
+    ``float32 [N, L, top_k]`` aligned with ``routes`` (0.0 where routes hold the fill value), else None."""
 
     token_ids: np.ndarray
     routes: np.ndarray
     cu_seqlens: np.ndarray
     prompt_token_counts: np.ndarray
+    weights: Any = None
 
 
 def packed(arts: Sequence[fmt.Artifact | Routes], *, num_layers: int | None = None, fill: int = -1,
-           backend: str = "numpy") -> Packed:
+           backend: str = "numpy", weights: bool = False) -> Packed:
     """Packed layout: every sequence's ``T_b`` tokens back to back, one route row per token so the rows line up
     with the packed ``input_ids`` fed in teacher forcing; ``cu_seqlens`` (int32 ``[B + 1]``, the flash-attn
     varlen convention used by newer verl / SkyRL remove-padding batches) delimits sequences. Rows not captured
     (before ``token_start``, and each sequence's last token, which was never fed) and dense layers hold
     ``fill`` (default -1: "use the live router"). All sequences must have the same routers and top_k.
 
-    Raises :class:`LayoutError` for an empty batch, mismatched router layouts, ``fill`` outside int32 or
-    ``num_layers`` out of range (:meth:`Routes.check_num_layers`).
+    ``weights=True`` adds :attr:`Packed.weights` (every item must have ``moe_route_weights``).
+
+    Raises :class:`LayoutError` for an empty batch, mismatched router layouts, ``fill`` outside int32,
+    ``num_layers`` out of range (:meth:`Routes.check_num_layers`), or ``weights=True`` and an item without
+    ``moe_route_weights`` (naming the item).
     """
     rs = [Routes.of(a) for a in arts]
     if not rs:
@@ -401,16 +471,23 @@ def packed(arts: Sequence[fmt.Artifact | Routes], *, num_layers: int | None = No
     if cu[-1] > np.iinfo(np.int32).max:
         raise LayoutError(f"packed batch has {int(cu[-1])} tokens; int32 cu_seqlens allow {np.iinfo(np.int32).max}")
     width = len(rs[0].router_ids) if num_layers is None else rs[0].check_num_layers(num_layers)
+    if weights:
+        for i, r in enumerate(rs):
+            if r.weights is None:
+                raise LayoutError(f"item {i}: weights=True but it has no moe_route_weights content")
     routes = np.full((int(cu[-1]), width, rs[0].top_k), fill, np.int32)
+    wts = np.zeros(routes.shape, np.float32) if weights else None
     tok = np.empty(int(cu[-1]), np.int32)
     for r, o in zip(rs, cu[:-1], strict=True):
         o = int(o)
         tok[o : o + r.token_ids.shape[0]] = r.token_ids.astype(np.int64)
         rows = r.layer_axis(num_layers, fill, np.int32)
         routes[o + r.token_start : o + r.token_start + rows.shape[0]] = rows
+        if wts is not None:
+            wts[o + r.token_start : o + r.token_start + rows.shape[0]] = r.weight_axis(num_layers)
     pc = np.array([r.prompt_token_count for r in rs], np.int32)
     return Packed(_backend(tok, backend), _backend(routes, backend), _backend(cu.astype(np.int32), backend),
-                  _backend(pc, backend))
+                  _backend(pc, backend), None if wts is None else _backend(wts, backend))
 
 
 def top_logprobs(art: fmt.Artifact, *, backend: str = "numpy") -> tuple[Any, Any]:
@@ -435,7 +512,8 @@ def stitch_turns(turns: Sequence[fmt.Artifact | Routes]) -> Routes:
     Turn *k* (k >= 1) must have been requested with ``routed_experts_prompt_start = len(turn k-1 tokens) - 1``
     (the previous turn's last sampled token was never fed, so the next turn's prefill produces its row), and its
     token ids must extend the previous turn's. The result covers positions ``turns[0].token_start ..
-    T_last - 2``; its ``prompt_token_count`` is the first turn's prompt.
+    T_last - 2``; its ``prompt_token_count`` is the first turn's prompt; its ``weights`` are
+    joined too when every turn has ``moe_route_weights`` (else None).
 
     Raises :class:`LayoutError` naming the turn when the token ids do not extend, the start is not
     ``len(previous) - 1``, routers/top_k differ, or the row counts do not add up to ``T_last - 1 - start_0``.
@@ -453,12 +531,14 @@ def stitch_turns(turns: Sequence[fmt.Artifact | Routes]) -> Routes:
         if (cur.router_ids, cur.expert_counts, cur.top_k) != (prev.router_ids, prev.expert_counts, prev.top_k):
             raise LayoutError(f"turn {k}: routers/expert counts/top_k differ from turn {k - 1}")
     rows = np.concatenate([r.rows for r in rs], axis=0) if len(rs) > 1 else rs[0].rows
+    have = [r.weights is not None for r in rs]
+    wts = (np.concatenate([r.weights for r in rs], axis=0) if len(rs) > 1 else rs[0].weights) if all(have) else None
     last, first = rs[-1], rs[0]
     expect = max(0, last.token_ids.shape[0] - 1 - first.token_start)
     if rows.shape[0] != expect:
         raise LayoutError(f"stitched rows {rows.shape[0]} != T_last - 1 - start_0 = {expect}")
     return Routes(last.token_ids, first.prompt_token_count, first.token_start, rows, first.router_ids,
-                  first.expert_counts)
+                  first.expert_counts, wts)
 
 
 # -------------------------------------------------------------------------------------- batches

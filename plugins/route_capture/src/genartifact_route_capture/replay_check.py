@@ -13,9 +13,14 @@ indices)`` in transformers' Qwen3-MoE and DeepSeek-V3 implementations) is compar
   e_score_correction_bias`` (DeepSeek-V3 ``noaux_tc``).
 * ``selected_logprobs`` against ``log_softmax`` of the oracle's logits at the previous position: max and mean
   absolute difference (nats). Valid for ``logprobs_mode = raw_logprobs`` (vLLM's default); the mode is reported.
+* ``moe_route_weights`` (when the artifact has them): per layer, on the rows whose expert sets agree, the stored
+  weights times the section's ``output_scale`` against the oracle router's own top-k weights (HF's
+  ``(router_logits, top-k weights, top-k indices)``, after its ``norm_topk_prob`` and, for DeepSeek-V3,
+  ``routed_scaling_factor``), matched expert by expert: ``weight_max_abs_diff`` / ``weight_mean_abs_diff``
+  (checked against ``--max-weight-diff``) and ``weight_rows``.
 
-Exit status: 0 when every artifact meets ``--min-agreement`` (non-near-tie set agreement, per layer) and
-``--max-logprob-diff``; 1 when one does not; 2 for unreadable input (the CLI's error convention).
+Exit status: 0 when every artifact meets ``--min-agreement`` (non-near-tie set agreement, per layer),
+``--max-logprob-diff`` and (with weights) ``--max-weight-diff``; 1 when one does not; 2 for unreadable input (the CLI's error convention).
 """
 
 from __future__ import annotations
@@ -66,25 +71,27 @@ class HFOracle:
         if not self.routers:
             raise ReplayCheckError(f"model {self.model_dir!r} has no MoE router modules (layer.mlp.gate with top_k)")
 
-    def run(self, token_ids: np.ndarray) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    def run(self, token_ids: np.ndarray) -> tuple[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], np.ndarray]:
         """Teacher-force ``token_ids`` (``uint32 [n]``).
 
         Returns ``(routes, logits)``: ``routes[layer] = (ids int64 [n, top_k] ordered by descending selection
-        score, scores float32 [n, experts])`` for every MoE layer, and ``logits float32 [n, vocab]``.
+        score, scores float32 [n, experts], weights float32 [n, top_k] — the router's top-k combine weights in
+        the same order as ids)`` for every MoE layer, and ``logits float32 [n, vocab]``.
         """
         import torch
 
-        seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        seen: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         hooks = []
         for i, gate in self.routers.items():
             def hook(mod: Any, _inp: Any, out: Any, _i: int = i) -> None:
-                logits, _w, idx = out
+                logits, w, idx = out
                 logits = logits.float()
                 bias = getattr(mod, "e_score_correction_bias", None)
                 score = logits.sigmoid() + bias if bias is not None else torch.softmax(logits, -1)
                 sel = torch.gather(score, 1, idx)
                 order = torch.argsort(sel, dim=-1, descending=True, stable=True)
-                seen[_i] = (torch.gather(idx, 1, order).numpy().astype(np.int64), score.detach().numpy())
+                seen[_i] = (torch.gather(idx, 1, order).numpy().astype(np.int64), score.detach().numpy(),
+                            torch.gather(w.float(), 1, order).detach().numpy().astype(np.float32))
 
             hooks.append(gate.register_forward_hook(hook))
         try:
@@ -112,7 +119,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def compare(art: fmt.Artifact, oracle: HFOracle, *, tie_tol: float = 0.01) -> dict[str, Any]:
     """Compare one artifact with the oracle. Returns a JSON-ready dict: ``tokens``, ``prompt_tokens``,
     ``layers`` (per router: ``layer``, ``rows``, ``set_agreement``, ``order_agreement``, ``mismatches``,
-    ``near_ties``, ``agreement_excl_ties``), ``logprobs`` (``count``, ``max_abs_diff``, ``mean_abs_diff``,
+    ``near_ties``, ``agreement_excl_ties``; with ``moe_route_weights`` also ``weight_rows``,
+    ``weight_max_abs_diff``, ``weight_mean_abs_diff``), ``logprobs`` (``count``, ``max_abs_diff``, ``mean_abs_diff``,
     ``mode``) or None. Raises :class:`ReplayCheckError` when the artifact has neither content or its routers
     are not the model's MoE layers."""
     secs = art.manifest["sections"]
@@ -128,6 +136,8 @@ def compare(art: fmt.Artifact, oracle: HFOracle, *, tie_tol: float = 0.01) -> di
             raise ReplayCheckError(f"artifact routers {s['router_ids']} are not the model's MoE layers "
                                    f"{sorted(oracle.routers)} (wrong checkpoint?)")
         start, rows = int(s["token_start"]), art.routes()
+        weights = art.content("moe_route_weights") if "moe_route_weights" in secs else None
+        w_scale = secs["moe_route_weights"]["output_scale"] if weights is not None else None
         for j, layer in enumerate(s["router_ids"]):
             got = rows[:, j, :].astype(np.int64)
             want, score = seen[layer][0][start:], seen[layer][1][start:]
@@ -143,13 +153,17 @@ def compare(art: fmt.Artifact, oracle: HFOracle, *, tie_tol: float = 0.01) -> di
             tie = ~same_set & (gap < tie_tol)
             n = int(got.shape[0])
             mism = int((~same_set & ~tie).sum())
-            report["layers"].append({
+            entry = {
                 "layer": int(layer), "rows": n,
                 "set_agreement": float(same_set.mean()) if n else 1.0,
                 "order_agreement": float(same_order.mean()) if n else 1.0,
                 "mismatches": mism, "near_ties": int(tie.sum()),
                 "agreement_excl_ties": (n - mism) / n if n else 1.0,
-            })
+            }
+            if weights is not None:
+                entry.update(_weight_diff(got, want, weights[:, j, :].astype(np.float64) * float(w_scale[j]),
+                                          seen[layer][2][start:].astype(np.float64), same_set))
+            report["layers"].append(entry)
     if "selected_logprobs" in secs and t > p:
         lp = np.asarray(art.selected_logprobs(), np.float64)
         ref = _log_softmax(logits[p - 1 : t - 1].astype(np.float64))[np.arange(t - p), tok[p:].astype(np.int64)] \
@@ -163,10 +177,26 @@ def compare(art: fmt.Artifact, oracle: HFOracle, *, tie_tol: float = 0.01) -> di
     return report
 
 
-def verdict(report: dict[str, Any], min_agreement: float, max_logprob_diff: float) -> list[str]:
+def _weight_diff(got: np.ndarray, want: np.ndarray, got_w: np.ndarray, want_w: np.ndarray,
+                 same_set: np.ndarray) -> dict[str, Any]:
+    """Stored vs oracle weights of one layer, expert by expert, over the rows whose expert sets agree
+    (``got``/``want`` ``[rows, k]`` ids, ``got_w``/``want_w`` ``[rows, k]`` weights in their own id order)."""
+    g, w, gw, ww = got[same_set], want[same_set], got_w[same_set], want_w[same_set]
+    if not g.shape[0]:
+        return {"weight_rows": 0, "weight_max_abs_diff": 0.0, "weight_mean_abs_diff": 0.0}
+    pos = np.argmax(g[:, :, None] == w[:, None, :], axis=-1)  # where each stored expert sits in the oracle row
+    d = np.abs(gw - np.take_along_axis(ww, pos, axis=1))
+    return {"weight_rows": int(g.shape[0]), "weight_max_abs_diff": float(d.max()),
+            "weight_mean_abs_diff": float(d.mean())}
+
+
+def verdict(report: dict[str, Any], min_agreement: float, max_logprob_diff: float,
+            max_weight_diff: float = math.inf) -> list[str]:
     """The reasons one artifact's report fails the thresholds (empty = pass)."""
     why = [f"layer {r['layer']}: agreement {r['agreement_excl_ties']:.4f} < {min_agreement}"
            for r in report["layers"] if r["agreement_excl_ties"] < min_agreement]
+    why += [f"layer {r['layer']}: route weights max |diff| {r['weight_max_abs_diff']:.3g} > {max_weight_diff}"
+            for r in report["layers"] if not r.get("weight_max_abs_diff", 0.0) <= max_weight_diff]
     lp = report["logprobs"]
     if lp is not None and not lp["max_abs_diff"] <= max_logprob_diff:
         why.append(f"selected_logprobs max |diff| {lp['max_abs_diff']:.3g} > {max_logprob_diff}")
@@ -254,6 +284,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per layer, fraction of rows whose expert sets agree, near ties excluded (default 0.99)")
     parser.add_argument("--max-logprob-diff", type=float, default=0.05,
                         help="largest allowed |stored - teacher-forced| selected logprob, nats (default 0.05)")
+    parser.add_argument("--max-weight-diff", type=float, default=0.01,
+                        help="largest allowed |stored x output_scale - HF| router weight on agreeing rows (default "
+                             "0.01: bf16 storage alone may differ by 2**-9 for weights < 1)")
     parser.add_argument("--tie-tol", type=float, default=0.01,
                         help="selection-score gap below which a flipped top-k boundary is a near tie (default 0.01)")
     parser.add_argument("--json", dest="json_out", help="write the full JSON report here ('-' = stdout)")
@@ -261,7 +294,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ``replay-check`` handler: exit 0 pass, 1 below threshold, 2 unreadable input."""
-    for name in ("min_agreement", "max_logprob_diff", "tie_tol"):
+    for name in ("min_agreement", "max_logprob_diff", "max_weight_diff", "tie_tol"):
         v = getattr(args, name)
         if not math.isfinite(v) or v < 0 or (name == "min_agreement" and v > 1):
             raise ReplayCheckError(f"--{name.replace('_', '-')}={v}; allowed: finite, >= 0"
@@ -287,12 +320,13 @@ def run(args: argparse.Namespace) -> int:
             results.append({"artifact": label, "error": str(e)})
             status = 2
             continue
-        why = verdict(rep, args.min_agreement, args.max_logprob_diff)
+        why = verdict(rep, args.min_agreement, args.max_logprob_diff, args.max_weight_diff)
         results.append({"artifact": label, "pass": not why, "failures": why, **rep})
         if why and status == 0:
             status = 1
     doc = {"model": args.model, "thresholds": {"min_agreement": args.min_agreement,
-                                               "max_logprob_diff": args.max_logprob_diff, "tie_tol": args.tie_tol},
+                                               "max_logprob_diff": args.max_logprob_diff,
+                                               "max_weight_diff": args.max_weight_diff, "tie_tol": args.tie_tol},
            "pass": status == 0, "artifacts": results}
     if args.json_out == "-":
         print(json.dumps(doc, indent=1))
@@ -304,8 +338,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """Short human summary: one line per artifact (worst layer, ties, logprob diffs)."""
-    lines = [f"{'artifact':40} {'result':6} {'rows':>6} {'set':>7} {'order':>7} {'ties':>5} {'lp max':>9} {'lp mean':>9}"]
+    """Short human summary: one line per artifact (worst layer, ties, logprob diffs, route weight diff or -)."""
+    lines = [f"{'artifact':40} {'result':6} {'rows':>6} {'set':>7} {'order':>7} {'ties':>5} {'lp max':>9} {'lp mean':>9} "
+             f"{'w max':>9}"]
     for r in results:
         name = r["artifact"] if len(r["artifact"]) <= 40 else "…" + r["artifact"][-39:]
         if "error" in r:
@@ -320,8 +355,10 @@ def table(results: list[dict[str, Any]]) -> str:
         o = min((x["order_agreement"] for x in layers), default=float("nan"))
         ties = sum(x["near_ties"] for x in layers)
         lp = r["logprobs"] or {"max_abs_diff": float("nan"), "mean_abs_diff": float("nan")}
+        wd = [x["weight_max_abs_diff"] for x in layers if "weight_max_abs_diff" in x]
+        wtxt = f"{max(wd):9.2e}" if wd else f"{'-':>9}"
         lines.append(f"{name:40} {'pass' if r['pass'] else 'FAIL':6} {rows:6d} {s:7.4f} {o:7.4f} {ties:5d} "
-                     f"{lp['max_abs_diff']:9.2e} {lp['mean_abs_diff']:9.2e}")
+                     f"{lp['max_abs_diff']:9.2e} {lp['mean_abs_diff']:9.2e} {wtxt}")
         lines += [f"{'':40} {'':6} {f}" for f in r["failures"]]
     return "\n".join(lines)
 

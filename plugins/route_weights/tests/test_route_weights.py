@@ -1,0 +1,160 @@
+"""moe_route_weights without an engine: settings, bf16 rounding, admission, collect checks, reader checks.
+(The real-engine comparison with HF transformers' routers is tests/test_route_weights_engine.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata as md
+
+import numpy as np
+import pytest
+from genartifact import format as fmt
+from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError, ConfigError
+from genartifact.testing import FakeEngine, model_info
+from genartifact.types import AdmissionContext, FinalContext
+from genartifact_route_weights import (
+    MoeRouteWeights,
+    MoeRouteWeightsReader,
+    bf16_bits_to_f32,
+    parse_settings,
+    to_bf16_bits,
+)
+
+MODEL = model_info(worker_captures=["moe_routes", "moe_route_weights"])
+
+
+def test_entry_point_declared():
+    eps = {ep.name: ep for ep in md.entry_points(group="genartifact.contents")}
+    assert eps["moe_route_weights"].value == "genartifact_route_weights"
+    assert eps["moe_route_weights"].dist.name == "genartifact-route-weights"
+
+
+@pytest.mark.parametrize("settings, want", [({}, "f32"), ({"dtype": "bf16", "base_dir": "/x"}, "bf16"),
+                                            ({"dtype": "f32"}, "f32")])
+def test_settings(settings, want):
+    assert parse_settings(settings) == want
+
+
+@pytest.mark.parametrize("settings, match", [({"dtype": "fp16"}, r"dtype='fp16' invalid; allowed: \['bf16', 'f32'\]"),
+                                             ({"dtype": "float32"}, "allowed"),
+                                             ({"dtyp": "bf16"}, r"unknown key\(s\) \['dtyp'\]; allowed: \['dtype'\]")])
+def test_bad_settings_name_the_field(settings, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_settings(settings)
+
+
+def test_bf16_rounding_equals_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.random(100_000, dtype=np.float32), rng.standard_normal(10_000).astype(np.float32) * 1e3,
+                        np.array([0.0, 1.0, 0.5, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-9, 3.0e38], np.float32)])
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    got = to_bf16_bits(x)
+    assert np.array_equal(got, want)
+    back = bf16_bits_to_f32(got)
+    assert np.array_equal(back, torch.from_numpy(x).to(torch.bfloat16).float().numpy())
+    w = rng.random(1000, dtype=np.float32)  # 8 significant bits: half an ulp <= 2**-8 relative
+    assert (np.abs(bf16_bits_to_f32(to_bf16_bits(w)) - w) <= np.abs(w) * 2.0**-8).all()
+
+
+def admitted(dtype="f32", p=5, max_tokens=4, start=0, model=MODEL):
+    pr = MoeRouteWeights(model, dtype)
+    n = pr.admit(AdmissionContext(p, max_tokens, start, model, {}))
+    params = {}
+    pr.sampling_overrides(params)
+    assert params["extra_args"]["genartifact_route_weights_capture_id"] == pr.capture_id
+    return pr, n
+
+
+def test_admission_counts_worst_case_bytes():
+    _, f32 = admitted("f32", p=5, max_tokens=4)
+    _, bf16 = admitted("bf16", p=5, max_tokens=4)
+    rows = 5 + 4 - 1
+    assert f32 - bf16 == rows * 4 * 2 * 2  # 4 routers x top-2 x (4 - 2) bytes per row
+    assert bf16 >= rows * 4 * 2 * 2
+    _, later = admitted("f32", p=5, max_tokens=4, start=3)
+    assert f32 - later == 3 * 4 * 2 * 4
+
+
+def test_admission_refusals():
+    with pytest.raises(AdmissionError, match="worker capture"):
+        admitted(model=model_info())  # the engine's workers did not report a moe_route_weights capture
+    with pytest.raises(AdmissionError, match="prefix"):
+        admitted(model=model_info(worker_captures=["moe_route_weights"], enable_prefix_caching=True))
+
+
+def fetch_engine(arr, missing=None, scales=None):
+    def fetch(cid, start, end):
+        d = np.ascontiguousarray(arr[:, start:end])
+        r = {"shape": list(d.shape), "dtype": d.dtype.str, "data": d.tobytes(), "missing": missing}
+        if scales is not None:
+            r["router_scale"], r["output_scale"] = scales
+        return r
+
+    return FakeEngine({"moe_route_weights.fetch": fetch, "moe_route_weights.discard": lambda cid: True})
+
+
+def test_collect_finalize_start_and_errors():
+    full = np.full((4, 8, 2), 0.5, np.float32)
+    pr, _ = admitted("bf16", p=5, max_tokens=4, start=2)
+    fin = FinalContext(5, 4, engine=fetch_engine(full))
+    asyncio.run(pr.collect(fin))
+    sec, parts = pr.finalize(fin)
+    assert sec["token_start"] == 2 and sec["dtype"] == "bf16" and sec["router_scale"] == [1.0] * 4
+    assert parts[0].name == "moe_route_weights.weights" and parts[0].array.shape == (4, 6, 2)
+    assert parts[0].array.dtype == np.uint16 and (bf16_bits_to_f32(parts[0].array) == 0.5).all()
+    for arr, missing, match in [(full, [3, 2], "2 positions have no router weights"),
+                                (np.full((4, 8, 2), np.nan, np.float32), None, "finite"),
+                                (-full, None, ">= 0"), (full[:2], None, "shape")]:
+        pr, _ = admitted()
+        with pytest.raises(CaptureError, match=match):
+            asyncio.run(pr.collect(FinalContext(5, 4, engine=fetch_engine(arr, missing))))
+    pr, _ = admitted()
+    with pytest.raises(CaptureError, match="no router weights"):
+        pr.finalize(FinalContext(5, 4))
+    with pytest.raises(CaptureError, match="admitted"):
+        asyncio.run(pr.collect(FinalContext(5, 9, engine=fetch_engine(np.zeros((4, 20, 2), np.float32)))))
+
+
+def encoded(contents, w, sec, p=3, c=2, routes_sec=None):
+    sections = {"moe_route_weights": sec}
+    parts = [fmt.TensorPart("moe_route_weights.weights", w)]
+    if routes_sec is not None:
+        sections["moe_routes"] = routes_sec
+        parts.append(fmt.TensorPart("moe_routes.expert_ids", np.zeros((w.shape[0], w.shape[1], w.shape[2]), np.uint8)))
+    return fmt.ArtifactInput(np.arange(p + c, dtype=np.uint32), p, contents, sections, parts)
+
+
+def section(**kw):
+    return {"token_start": 0, "router_ids": [0, 1], "top_k": 2, "dtype": "f32", "layout": "router_major",
+            "router_scale": [1.0, 1.0], "output_scale": [1.0, 1.0], "source": "worker_capture", **kw}
+
+
+def test_reader_validation():
+    from genartifact_route_capture import READER as ROUTES
+
+    readers = {"moe_route_weights": MoeRouteWeightsReader(), "moe_routes": ROUTES}
+    w = np.full((2, 4, 2), 0.5, np.float32)
+    routes = {"token_start": 0, "router_ids": [0, 1], "expert_counts": [8, 8], "top_k": 2, "layout": "router_major"}
+    art = fmt.decode(fmt.encode(encoded(["moe_routes", "moe_route_weights"], w, section(), routes_sec=routes),
+                                readers=readers).data)
+    assert art.content("moe_route_weights").shape == (4, 2, 2)
+    bad = [
+        (w, section(dtype="bf16"), "u16"),
+        (w.astype(np.uint16), section(dtype="bf16", layout="x"), "layout"),
+        (w, section(dtype="f16"), "allowed"),
+        (w[:, :3], section(), "rows 3"),
+        (w, section(router_ids=[1, 0]), "router_ids"),
+        (w, section(top_k=3), "top_k"),
+        (w, section(output_scale=[1.0]), "output_scale"),
+        (w, section(router_scale=[1.0, "2"]), "router_scale"),
+        (np.full((2, 4, 2), -0.5, np.float32), section(), ">= 0"),
+        (np.full((2, 4, 2), np.inf, np.float32), section(), "finite"),
+        (w, {k: v for k, v in section().items() if k != "router_scale"}, "keys"),
+    ]
+    for arr, sec, match in bad:
+        with pytest.raises(ArtifactFormatError, match=match):
+            fmt.encode(encoded(["moe_route_weights"], arr, sec), readers=readers)
+    with pytest.raises(ArtifactFormatError, match="align 1:1 with moe_routes"):
+        fmt.encode(encoded(["moe_routes", "moe_route_weights"], w, section(),
+                           routes_sec={**routes, "router_ids": [0, 2]}), readers=readers)
