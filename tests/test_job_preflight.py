@@ -30,8 +30,12 @@ from genartifact.spec import parse_request
         ({"prompt": "x", "contents": []}, "contents"),
         ({"prompt": "x", "target": ["a"]}, "target"),
         ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "n": 0}, "n=0 invalid; allowed: an integer 1..256"),
+        ({"prompt": "x", "n": 257}, "n=257 invalid"),
+        ({"prompt": "x", "n": True}, "n=true invalid"),
     ],
 )
+@pytest.mark.fault("generate", "prompt row field violations")
 def test_prompt_rows_are_strict(tmp_path, row, match):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps(row) + "\n")
@@ -39,6 +43,7 @@ def test_prompt_rows_are_strict(tmp_path, row, match):
         read_prompts(f)
 
 
+@pytest.mark.fault("generate", "NaN and non-UTF-8 prompt files")
 def test_nan_and_non_utf8_prompt_files(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "x", "temperature": NaN}\n')
@@ -80,6 +85,7 @@ def test_spec_normalizes_and_rejects_names():
                        "delivery": {"mode": "object_store", "target": {"kind": "k"}}}, n=1.0)
 
 
+@pytest.mark.fault("generate", "invalid rows before the engine")
 def test_invalid_rows_are_rejected_without_starting_the_engine(tmp_path):
     cfg = config_mod.parse(config_mod.DEFAULT_TOML, source="d", base_dir=tmp_path)
     rows = [{"prompt": "a", "contents": ["moe_route"]},
@@ -96,6 +102,23 @@ def test_invalid_rows_are_rejected_without_starting_the_engine(tmp_path):
     assert not (tmp_path / "artifacts").exists()
 
 
+def test_group_rows_preflight_each_derived_key_and_are_refused_with_replicas(tmp_path):
+    from genartifact.engine.job import check_target_tables, preflight_row
+
+    cfg = config_mod.parse(config_mod.DEFAULT_TOML, source="d", base_dir=tmp_path)
+    host = cfg.host()
+    targets = check_target_tables(cfg, host)
+    row = {"prompt": "x", "n": 3}
+    spec = preflight_row(host, targets, row, ["moe_routes"], "managed_fsspec:local", "r", 4)
+    assert spec["delivery"]["target"]["object_key"] == "runs/r/00004.gart"
+    with pytest.raises(RequestSpecError, match="not supported with --replicas"):
+        preflight_row(host, targets, row, ["moe_routes"], "managed_fsspec:local", "r", 4, allow_groups=False)
+    # a sample key outside the profile's allowed prefixes is refused before the engine starts
+    bad = {**row, "target": {"kind": "managed_fsspec", "profile": "local", "object_key": "runs"}}
+    with pytest.raises(Exception, match="allowed prefixes"):
+        preflight_row(host, targets, bad, ["moe_routes"], "managed_fsspec:local", "r", 4)
+
+
 def _generate(tmp_path, *extra, prompts='{"prompt": "x"}\n'):
     (tmp_path / "m").mkdir(exist_ok=True)
     (tmp_path / "m/config.json").write_text("{}")
@@ -104,6 +127,7 @@ def _generate(tmp_path, *extra, prompts='{"prompt": "x"}\n'):
     return main(["generate", "--model", str(tmp_path / "m"), "--prompts", str(p), *extra])
 
 
+@pytest.mark.fault("generate", "bad generate arguments")
 def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cases = [
@@ -131,6 +155,7 @@ def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
     assert "GENARTIFACT_PIPELINE_CONCURRENCY" in capsys.readouterr().err
 
 
+@pytest.mark.fault("generate", "unknown target table in the config")
 def test_unknown_target_table_is_an_error(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "c.toml"

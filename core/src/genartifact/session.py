@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from genartifact.errors import (
     ArtifactFormatError,
     CaptureError,
     DeliveryError,
+    GenartifactError,
     PluginFault,
     TargetError,
 )
@@ -82,7 +84,16 @@ class ArtifactSession:
     :param request: a validated :class:`~genartifact.spec.ArtifactRequest`.
     :param model: engine/model facts.
     :param target: a storage target instance for ``request.target_kind`` (from :meth:`for_request`).
+
+    ``recover_existing`` (set by ``generate --resume``; default False): when the create-only delivery answers
+    ``object_exists``, the stored object is read back through the target (at most this run's encoded byte count,
+    which admission bounded by the target's ``max_bytes``) and, if its byte count and SHA-256 equal the bytes this
+    run just encoded (a deterministic rerun: seeded or temperature 0), the receipt is ``ready`` with
+    ``"recovered": "rerun_match"``. Anything else (different bytes, larger, unreadable, a target without
+    read-back such as presigned grants) stays ``object_exists``; outside a resume a duplicate always fails so.
     """
+
+    recover_existing: bool = False
 
     def __init__(self, host: PluginHost, request: ArtifactRequest, model: ModelInfo, target: Any,
                  producers: list[ContentProducer], journal: DeliveryJournal | None = None) -> None:
@@ -103,6 +114,9 @@ class ArtifactSession:
         self._finished = False
         self.peak_retained = 0
         self.failed_code: str | None = None
+        # GRPO groups (generate "n" > 1): the group's collector and this sample's index; see groups.GroupCollector
+        self.group: Any = None
+        self.group_index: int | None = None
 
     @classmethod
     def for_request(cls, host: PluginHost, request: ArtifactRequest, model: ModelInfo,
@@ -300,9 +314,30 @@ class ArtifactSession:
         except Exception as e:  # noqa: BLE001 - a plugin bug must not fail generation
             log.error("artifact_collect_failed", error_type=type(e).__name__, error=str(e))
             return failed_receipt(self.request, "internal_error")
+        group_field = None
+        if self.group is not None:  # a group sample: wait until the prompt part is settled (holding no slot)
+            slot = await self.group.submit(self.group_index, inp)
+            inp, group_field = slot.input, slot.receipt_group
         sem = self.host.pipeline()
         await sem.acquire()  # cancelled here -> the operation never starts
         task = asyncio.ensure_future(self._encode_and_deliver(inp, sem))
+        task.add_done_callback(_consume)
+        receipt = await asyncio.shield(task)
+        return receipt if group_field is None else {**receipt, "group": group_field}
+
+    async def deliver_extra(self, inp: fmt.ArtifactInput, target_spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Encode and store one more object of this request (a group's prompt part) at ``target_spec`` (same
+        target kind, validated here), journaled and bounded like the request's own artifact (its admitted
+        decoded budget and the target's ``max_bytes``). Returns its receipt; never raises for delivery failures
+        (a ``failed`` receipt with the stable code, ``target_invalid`` for a spec the target refuses)."""
+        self._require_admitted()
+        try:
+            validated = self._target.validate(target_spec)
+        except TargetError:
+            return failed_receipt(self.request, "target_invalid")
+        sem = self.host.pipeline()
+        await sem.acquire()
+        task = asyncio.ensure_future(self._encode_and_deliver(inp, sem, validated))
         task.add_done_callback(_consume)
         return await asyncio.shield(task)
 
@@ -327,8 +362,10 @@ class ArtifactSession:
             header=self._header,
         )
 
-    async def _encode_and_deliver(self, inp: fmt.ArtifactInput, sem: asyncio.Semaphore) -> dict[str, Any]:
-        assert self._validated is not None
+    async def _encode_and_deliver(self, inp: fmt.ArtifactInput, sem: asyncio.Semaphore,
+                                  validated: ValidatedTarget | None = None) -> dict[str, Any]:
+        validated = validated or self._validated
+        assert validated is not None
         did = None  # journal delivery id: every intent gets an outcome, whatever happens after it
         try:
             try:
@@ -339,19 +376,24 @@ class ArtifactSession:
             if enc.decoded_bytes > self.budget:
                 log.error("artifact_over_budget", decoded=enc.decoded_bytes, budget=self.budget)
                 return failed_receipt(self.request, "capture_invalid")
-            if enc.byte_count > self._validated.max_bytes:
+            if enc.byte_count > validated.max_bytes:
                 return failed_receipt(self.request, "too_large")
             if self.journal is not None:
                 describe = getattr(self._target, "describe", None)
-                ref = describe(self._validated) if describe is not None else {}
+                ref = describe(validated) if describe is not None else {}
                 did = await asyncio.to_thread(self.journal.intent, kind=self.request.target_kind,
-                                              object_id=self._validated.object_id, ref=ref, sha256=enc.sha256,
+                                              object_id=validated.object_id, ref=ref, sha256=enc.sha256,
                                               byte_count=enc.byte_count)
             try:
-                object_id = await self._target.deliver(self._validated, enc.data, enc.sha256)
+                object_id = await self._target.deliver(validated, enc.data, enc.sha256)
             except (DeliveryError, TargetError) as e:
                 code = "target_invalid" if isinstance(e, TargetError) else e.code
                 code = code if code in ERROR_MESSAGES else "delivery_failed"
+                if code == "object_exists" and self.recover_existing and await self._stored_matches(enc):
+                    await self._journal_outcome(did, "ready")
+                    did = None
+                    log.info("artifact_recovered", object_id=self._validated.object_id, sha256=enc.sha256)
+                    return {**self._ready_receipt(enc), "recovered": "rerun_match"}
                 log.warning("artifact_delivery_failed", error_code=code, target_kind=self.request.target_kind)
                 await self._journal_outcome(did, "failed", code)
                 did = None
@@ -367,17 +409,9 @@ class ArtifactSession:
                 raise
             await self._journal_outcome(did, "ready")
             did = None
-            object_id = self._validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
+            object_id = validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
             log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
-            return {
-                "format": self.request.format,
-                "contents": sorted(self.request.contents),
-                "state": "ready",
-                "target": self.request.target_kind,
-                "byte_count": enc.byte_count,
-                "sha256": enc.sha256,
-                "object_id": object_id,
-            }
+            return self._ready_receipt(enc)
         except PluginFault:  # logged with the plugin's name when raised
             await self._journal_outcome(did, "failed", "internal_error")
             return failed_receipt(self.request, "internal_error")
@@ -387,6 +421,32 @@ class ArtifactSession:
             return failed_receipt(self.request, "internal_error")
         finally:
             sem.release()
+
+    def _ready_receipt(self, enc: fmt.EncodedArtifact) -> dict[str, Any]:
+        assert self._validated is not None
+        return {
+            "format": self.request.format,
+            "contents": sorted(self.request.contents),
+            "state": "ready",
+            "target": self.request.target_kind,
+            "byte_count": enc.byte_count,
+            "sha256": enc.sha256,
+            "object_id": self._validated.object_id,
+        }
+
+    async def _stored_matches(self, enc: fmt.EncodedArtifact) -> bool:
+        """Whether the object already stored at the validated id is byte-for-byte this run's encoding: read back
+        through the target, at most ``enc.byte_count`` bytes (a larger object is refused by the target before
+        its body is read), then byte count and SHA-256 compared. False when it cannot be read back."""
+        assert self._validated is not None
+        try:
+            data = await self._target.open(self._validated.object_id, enc.byte_count)
+        except (GenartifactError, OSError) as e:
+            log.warning("artifact_recover_unreadable", error_type=type(e).__name__)
+            return False
+        if len(data) != enc.byte_count:
+            return False
+        return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest()) == enc.sha256
 
     async def _journal_outcome(self, did: str | None, state: str, code: str | None = None) -> None:
         """Journal an outcome; a journal that cannot be written (ENOSPC...) never changes the receipt: the
@@ -400,6 +460,8 @@ class ArtifactSession:
 
     async def aclose(self, engine: Any = None) -> None:
         """Release engine-side state (producers' optional ``discard(engine)``), then :meth:`release`."""
+        if self.group is not None:  # never submitted (failed, aborted, cancelled): the others must not wait
+            self.group.withdraw(self.group_index)
         try:
             for p in self._producers:
                 discard = getattr(p, "discard", None)
