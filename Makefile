@@ -32,10 +32,29 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check core plugins tests benchmarks mutation
 
-bench: $(STAMP) $(MODEL)/model.safetensors
-	$(PY) benchmarks/bench_encode.py
-	$(PY) benchmarks/bench_compression.py --model $(MODEL)
-	$(PY) benchmarks/bench_capture_overhead.py --model $(MODEL)
+SMALL  ?= .models/small-qwen3-moe
+$(SMALL)/model.safetensors: | $(STAMP)
+	$(GA) make-tiny-model $(SMALL) --family qwen3_moe_small
+
+# every benchmark of docs/benchmarks.md that needs no outside server (upload and load start their own SeaweedFS,
+# serve its own genartifact server); each prints same-run RATIO lines and the load average. About an hour on
+# an idle 2-core box (engine starts, the 45M-parameter model, the FPM fit). Row numbers as in docs/benchmarks.md.
+bench: $(STAMP) $(MODEL)/model.safetensors $(SMALL)/model.safetensors demo
+	$(PY) benchmarks/bench_encode.py                                                  # 1
+	$(PY) benchmarks/bench_compression.py                                             # 2a-2c
+	$(PY) benchmarks/bench_capture_overhead.py --model $(MODEL)                       # 3a, 3c, 4
+	$(PY) benchmarks/bench_capture_overhead.py --model $(SMALL) --requests 32         # 3b
+	$(PY) benchmarks/bench_upload.py                                                  # 5, 6
+	$(PY) benchmarks/bench_serve.py --model $(MODEL)                                  # 8
+	$(PY) benchmarks/bench_serve.py --model $(SMALL) --requests 32                    # 8b
+	$(PY) benchmarks/bench_fpm.py --model $(MODEL)                                    # 10, 11
+	$(PY) benchmarks/bench_load.py                                                    # 12
+	$(PY) benchmarks/bench_decode.py                                                  # 13
+	$(PY) benchmarks/bench_groups.py                                                  # 14 (GRPO)
+	$(PY) benchmarks/bench_fuzz_reader.py --cases 100000                              # 14 (reader fuzz)
+	$(PY) benchmarks/bench_per_step_deltas.py --model $(MODEL)                        # 16
+	$(PY) benchmarks/bench_replicas.py --model $(MODEL) --rows 16 --max-tokens 16 --max-inflight 8
+	$(PY) benchmarks/bench_fpm_fit.py --model $(MODEL) --rounds 2                     # F1
 
 # FPM self-benchmark end to end: two data-parallel ranks (one engine each, pinned to its own core when there
 # are two) -> merge -> fit (step-time model, leave-one-point-out error) -> report (report.html). A few minutes: mostly the two engine starts.

@@ -30,6 +30,9 @@ from genartifact.spec import parse_request
         ({"prompt": "x", "contents": []}, "contents"),
         ({"prompt": "x", "target": ["a"]}, "target"),
         ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "n": 0}, "n=0 invalid; allowed: an integer 1..256"),
+        ({"prompt": "x", "n": 257}, "n=257 invalid"),
+        ({"prompt": "x", "n": True}, "n=true invalid"),
     ],
 )
 def test_prompt_rows_are_strict(tmp_path, row, match):
@@ -94,6 +97,23 @@ def test_invalid_rows_are_rejected_without_starting_the_engine(tmp_path):
     assert "did you mean 'moe_routes'" in receipts[0]["error"]
     assert "normalized" in receipts[1]["error"] and "'nope' unknown" in receipts[2]["error"]
     assert not (tmp_path / "artifacts").exists()
+
+
+def test_group_rows_preflight_each_derived_key_and_are_refused_with_replicas(tmp_path):
+    from genartifact.engine.job import check_target_tables, preflight_row
+
+    cfg = config_mod.parse(config_mod.DEFAULT_TOML, source="d", base_dir=tmp_path)
+    host = cfg.host()
+    targets = check_target_tables(cfg, host)
+    row = {"prompt": "x", "n": 3}
+    spec = preflight_row(host, targets, row, ["moe_routes"], "managed_fsspec:local", "r", 4)
+    assert spec["delivery"]["target"]["object_key"] == "runs/r/00004.gart"
+    with pytest.raises(RequestSpecError, match="not supported with --replicas"):
+        preflight_row(host, targets, row, ["moe_routes"], "managed_fsspec:local", "r", 4, allow_groups=False)
+    # a sample key outside the profile's allowed prefixes is refused before the engine starts
+    bad = {**row, "target": {"kind": "managed_fsspec", "profile": "local", "object_key": "runs"}}
+    with pytest.raises(Exception, match="allowed prefixes"):
+        preflight_row(host, targets, bad, ["moe_routes"], "managed_fsspec:local", "r", 4)
 
 
 def _generate(tmp_path, *extra, prompts='{"prompt": "x"}\n'):

@@ -65,6 +65,57 @@ def test_deterministic_bytes_and_golden_vector():
     assert (a.sha256, a.byte_count) == (GOLDEN_SHA256, GOLDEN_BYTES)
 
 
+def large_input() -> fmt.ArtifactInput:
+    """A fixed multi-block input (1.6 MB decoded, ~1 MB stored) built from integer arithmetic only (no RNG stream
+    that could change between numpy versions): skewed router-major routes, token ids, logprobs."""
+    routers, rows, k, p = 24, 8191, 8, 4096
+    i = np.arange(routers * rows * k, dtype=np.uint64)
+    x = (i * np.uint64(2654435761)) ^ (i >> np.uint64(7))
+    ids = ((x ^ (x >> np.uint64(13))) % np.uint64(64)).astype(np.uint8)
+    ids[::3] = (i[::3] % np.uint64(5)).astype(np.uint8)  # runs for the match finder
+    tokens = ((np.arange(rows + 1, dtype=np.uint64) * np.uint64(48271)) % np.uint64(150000)).astype(np.uint32)
+    lp = -(np.arange(rows + 1 - p, dtype=np.float32) % 97) / np.float32(7.0)
+    return fmt.ArtifactInput(
+        token_ids=tokens, prompt_token_count=p, contents=["moe_routes", "selected_logprobs"],
+        sections={"moe_routes": {"token_start": 0, "router_ids": list(range(routers)), "expert_counts": [64] * routers,
+                                 "top_k": k, "layout": "router_major", "source": "test"},
+                  "selected_logprobs": {"token_start": p}},
+        tensors=[fmt.TensorPart("moe_routes.expert_ids", ids.reshape(routers, rows, k)),
+                 fmt.TensorPart("selected_logprobs.logprobs", lp)],
+        header={"engine": {"name": "test", "version": "0"}})
+
+
+# SHA-256 of the encoding of large_input(), pinned before the encoder overlapped compression, validation and
+# hashing (issue 13): the stored bytes must not depend on how the encoder schedules its work.
+GOLDEN_LARGE_SHA256 = "66bc2f6dec305703a391f538c218f477fe2af24e9712f578761efbd2f971b084"
+GOLDEN_LARGE_BYTES = 1020570
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["overlapped", "inline"])
+def test_large_encoding_is_pinned_on_both_paths(parallel, monkeypatch):
+    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20 if parallel else 1 << 62)
+    encs = [fmt.encode(large_input()) for _ in range(3)]
+    assert {(e.sha256, e.byte_count) for e in encs} == {(GOLDEN_LARGE_SHA256, GOLDEN_LARGE_BYTES)}
+    assert all(e.sha256 == hashlib.sha256(e.data).hexdigest() for e in encs)  # the digest is of the stored bytes
+    assert encs[0].decoded_bytes >= 1 << 20  # the overlapped path really ran
+    # and it is exactly zstd's one-shot frame of the body behind the prelude
+    body = zstandard.ZstdDecompressor().decompress(encs[0].data[fmt.PRELUDE_SIZE:])
+    one_shot = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False).compress(body)
+    assert encs[0].data[fmt.PRELUDE_SIZE:] == one_shot
+
+
+def test_overlapped_encode_validation_error_raises_and_returns_nothing(monkeypatch):
+    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20)
+    inp = large_input()
+    bad = inp.tensors[0].array.copy()
+    bad[5, 100, 3] = 64  # expert id out of range for expert_counts 64: the routes reader refuses it
+    inp = fmt.ArtifactInput(inp.token_ids, inp.prompt_token_count, inp.contents, inp.sections,
+                            [fmt.TensorPart("moe_routes.expert_ids", bad), inp.tensors[1]], inp.header)
+    with pytest.raises(ArtifactFormatError, match="expert"):
+        fmt.encode(inp)
+    assert fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256  # the pool is left usable
+
+
 def test_frame_declares_content_size_and_single_frame():
     enc = fmt.encode(sample_input())
     params = zstandard.get_frame_parameters(enc.data[fmt.PRELUDE_SIZE:])

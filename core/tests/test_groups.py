@@ -4,6 +4,7 @@ rows stay with their sample; wrong references are refused."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import numpy as np
 import pytest
@@ -154,3 +155,134 @@ def test_prompt_part_read_is_bounded_by_the_decode_limit():
                               "byte_count": enc.byte_count}], t, max_decoded_bytes=1 << 20)
     assert [(e.index, e.check) for e in res.errors] == [(0, "byte_count")]
     assert t.asked["mem:g1/prompt"] <= fmt.encoded_size_bound(1 << 20) + 1
+
+
+# ------------------------------------------------------------------ GroupCollector (generate "n" > 1)
+
+
+def _collect(samples, indices, store, withdraw=(), size=None):
+    """Run a collector: every index in ``withdraw`` withdraws, the others submit (in reverse order)."""
+    async def go():
+        c = groups.GroupCollector("g9", size or len(samples), indices, store)
+        for k in withdraw:
+            c.withdraw(k)
+        subs = [k for k in indices if k not in withdraw]
+        got = await asyncio.gather(*(c.submit(k, samples[k]) for k in reversed(subs)))
+        return c, dict(zip(reversed(subs), got, strict=True))
+    return asyncio.run(go())
+
+
+def _store_into(objs, calls, fail=None):
+    async def store(inp, leader):
+        calls.append(leader)
+        if fail == "raise":
+            raise RuntimeError("target bug")
+        if fail:
+            return {"state": "failed", "error_code": fail}
+        enc = fmt.encode(inp)
+        objs["mem:g9/prompt"] = enc.data
+        return {"state": "ready", "object_id": "mem:g9/prompt", "sha256": enc.sha256, "byte_count": enc.byte_count}
+    return store
+
+
+def test_collector_stores_the_prompt_part_once_and_samples_join_exactly():
+    samples, _, _ = build(mismatch_sample=2)
+    objs, calls = {}, []
+    c, slots = _collect(samples, [0, 1, 2, 3], _store_into(objs, calls))
+    assert calls == [0]  # once, by the lowest sample
+    for k, slot in slots.items():
+        g = slot.receipt_group
+        assert g["prompt_part"]["object_id"] == "mem:g9/prompt" and g["index"] == k and g["size"] == 4
+        assert g["prompt_row_mismatches"] == (2 if k == 2 else 0)
+        enc = fmt.encode(slot.input)
+        objs[f"mem:s{k}"] = enc.data
+    recs = [{"state": "ready", "object_id": f"mem:s{k}", "sha256": hashlib.sha256(objs[f"mem:s{k}"]).hexdigest(),
+             "byte_count": len(objs[f"mem:s{k}"])} for k in range(4)]
+    res = groups.load_group(recs, MemTarget(objs))
+    assert not res.errors
+    for k in range(4):
+        assert np.array_equal(res.items[k].rows, ld.Routes.of(fmt.decode(fmt.encode(samples[k]).data)).rows)
+
+
+def test_collector_a_withdrawn_sample_does_not_block_or_lose_the_others():
+    samples, _, _ = build()
+    objs, calls = {}, []
+    c, slots = _collect(samples, [0, 1, 2, 3], _store_into(objs, calls), withdraw=[0, 2])
+    assert sorted(slots) == [1, 3] and calls == [1]  # first wins among the samples that finished: sample 1
+    assert [slots[k].receipt_group["index"] for k in (1, 3)] == [1, 3]
+    hdr = fmt.decode(fmt.encode(slots[3].input).data).manifest["header"]["group"]
+    assert (hdr["index"], hdr["size"]) == (3, 4)
+
+
+@pytest.mark.parametrize("fail", ["object_exists", "delivery_failed", "raise"])
+def test_collector_prompt_part_not_stored_every_sample_stored_whole_and_says_so(fail):
+    samples, _, _ = build()
+    objs, calls = {}, []
+    c, slots = _collect(samples, [0, 1, 2, 3], _store_into(objs, calls, fail))
+    for k, slot in slots.items():
+        g = slot.receipt_group
+        assert "prompt_part" not in g and g["not_shared"].startswith("prompt_part_" if fail != "raise" else "prompt_part_internal")
+        art = fmt.decode(fmt.encode(slot.input).data)  # the full, non-deduplicated rows
+        assert np.array_equal(ld.Routes.of(art).rows, ld.Routes.of(fmt.decode(fmt.encode(samples[k]).data)).rows)
+        assert "prompt_part" not in art.manifest["header"]["group"]
+    # a whole sample loads as itself through load_group (no prompt part to fetch)
+    enc = fmt.encode(slots[1].input)
+    res = groups.load_group([{"state": "ready", "object_id": "mem:w1", "sha256": enc.sha256,
+                              "byte_count": enc.byte_count}], MemTarget({"mem:w1": enc.data}))
+    assert not res.errors and res.items[0].rows.shape[0] == len(samples[1].token_ids) - 1
+
+
+def test_collector_no_routes_content_stores_whole_without_a_prompt_part():
+    samples, _, _ = build()
+    plain = [fmt.ArtifactInput(x.token_ids, x.prompt_token_count, ["selected_logprobs"],
+                               {"selected_logprobs": x.sections["selected_logprobs"]}, [x.tensors[1]]) for x in samples]
+    calls = []
+    c, slots = _collect(plain, [0, 1], _store_into({}, calls), size=2)
+    assert calls == [] and all(s.receipt_group["not_shared"].startswith("not_shareable") for s in slots.values())
+
+
+def test_collector_all_withdrawn_stores_nothing():
+    calls = []
+
+    async def go():
+        c = groups.GroupCollector("g9", 2, [0, 1], _store_into({}, calls))
+        c.withdraw(0)
+        c.withdraw(1)
+        c.withdraw(1)  # idempotent
+        return c
+    asyncio.run(go())
+    assert calls == []
+
+
+def test_group_object_keys_and_presigned_refusal():
+    from genartifact.engine.job import group_object_target, sample_spec
+    from genartifact.errors import RequestSpecError
+
+    t = {"kind": "managed_fsspec", "profile": "p", "object_key": "runs/r/00003.gart"}
+    assert group_object_target(t, "s002")["object_key"] == "runs/r/00003.s002.gart"
+    assert group_object_target(t, "prompt-abc")["object_key"] == "runs/r/00003.prompt-abc.gart"
+    assert group_object_target({**t, "object_key": "runs/r.x/noext"}, "s000")["object_key"] == "runs/r.x/noext.s000"
+    spec = {"format": "generation_artifact_v1", "delivery": {"mode": "object_store", "target": t}}
+    assert sample_spec(spec, 7)["delivery"]["target"]["object_key"] == "runs/r/00003.s007.gart"
+    assert spec["delivery"]["target"]["object_key"] == "runs/r/00003.gart"  # not mutated
+    with pytest.raises(RequestSpecError, match="object_key"):
+        group_object_target({"kind": "http_put", "url": "https://h/x?X-Amz-Signature=s"}, "s000")
+
+
+def test_read_receipts_keys_group_samples(tmp_path):
+    from genartifact.engine.job import read_receipts
+
+    f = tmp_path / "r.jsonl"
+    f.write_text('{"index": 0, "state": "ready"}\n{"index": 1, "sample": 0, "state": "ready"}\n'
+                 '{"index": 1, "sample": 1, "state": "failed"}\n{"index": 1, "sample": 1, "state": "ready"}\n')
+    got = read_receipts(f)
+    assert set(got) == {0, (1, 0), (1, 1)} and got[(1, 1)]["state"] == "ready"
+
+
+def test_vouchers_include_referenced_prompt_parts():
+    from genartifact.journal import vouchers
+
+    r = {"state": "ready", "object_id": "p:s0", "sha256": "a" * 64,
+         "group": {"prompt_part": {"object_id": "p:pp", "sha256": "b" * 64, "byte_count": 3}}}
+    v = vouchers([], [r, {**r, "state": "failed", "group": {"prompt_part": {"object_id": "p:x", "sha256": "c" * 64}}}])
+    assert v == {"p:s0": {"a" * 64}, "p:pp": {"b" * 64}}

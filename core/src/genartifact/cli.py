@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(_safe(f"contents: {', '.join(s['contents'])}; tokens: prompt {s['prompt_token_count']} + completion "
                     f"{s['completion_token_count']}"))
         print(_safe(f"engine: {hdr.get('engine')}  model: {model.get('name')}"))
+        g = hdr.get("group")
+        if isinstance(g, dict):  # GRPO group (docs/format.md, "Groups")
+            ref = g.get("prompt_part") if isinstance(g.get("prompt_part"), dict) else {}
+            print(_safe(f"group: {g.get('id')} " + (f"sample {g.get('index')} of {g.get('size')}"
+                        if g.get("role") == "sample" else f"{g.get('role')} of {g.get('size')} samples")
+                        + (f"; prompt part {ref.get('object_id')} sha256 {ref.get('sha256')} rows from "
+                           f"{ref.get('token_start')}; prompt row mismatches {g.get('prompt_row_mismatches')}"
+                           if ref else "")))
         for t in s["tensors"]:
             print(_safe(f"  {t['name']:28} {t['dtype']:4} {str(t['shape']):18} {t['byte_count']} bytes"))
         from genartifact.host import guard_reader
@@ -329,10 +338,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rkey(r: Mapping[str, Any]) -> Any:
+    k = r.get("sample")
+    return (r["index"], k) if type(k) is int else r["index"]
+
+
+def _rlabel(r: Mapping[str, Any]) -> str:
+    k = r.get("sample")
+    return f"{r['index']}" + (f".s{k}" if type(k) is int else "")
+
+
 def _verify_receipts(path: str, cfg_path: str | None) -> int:
     """Check every ready receipt of a receipts.jsonl: object readable through its target kind's read-back
     (the receipt's ``target`` field + ``object_id``), SHA-256 and size match, strict decode (each content by its
-    plugin's reader). Each bad line or object counts as a failure; nothing aborts the scan."""
+    plugin's reader). A group sample's receipt (``group.prompt_part``) also has its prompt part checked the same
+    way (once per prompt part) and joined with the sample (:func:`genartifact.groups.join`). Each bad line or
+    object counts as a failure; nothing aborts the scan."""
     from genartifact.format import decode
 
     try:
@@ -343,8 +364,10 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
 
     bad = checked = 0
     targets: dict[str, Any] = {}
+    prompt_parts: dict[str, Any] = {}  # a group's prompt part object id -> decoded artifact (or its error)
     parsed: list[Any] = []
-    last_line: dict[int, int] = {}  # a generate receipt's index -> its last line (`generate --resume` appends)
+    # a generate receipt's key (index, or (index, sample) of a group sample) -> its last line (--resume appends)
+    last_line: dict[Any, int] = {}
     for n, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
@@ -352,15 +375,15 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
             r = None
         parsed.append(r)
         if isinstance(r, dict) and "generation_artifact" not in r and type(r.get("index")) is int:
-            last_line[r["index"]] = n
+            last_line[_rkey(r)] = n
     for n, r in enumerate(parsed, 1):
         try:
             if not isinstance(r, dict):
                 raise ValueError("not an object")
             if isinstance(r.get("generation_artifact"), dict):  # a serve response's artifact block
                 r = {"index": r.get("index", n), **r["generation_artifact"]}
-            elif type(r.get("index")) is int and last_line[r["index"]] != n:
-                print(f"#{r['index']}: superseded by line {last_line[r['index']]}")
+            elif type(r.get("index")) is int and last_line[_rkey(r)] != n:
+                print(f"#{_rlabel(r)}: superseded by line {last_line[_rkey(r)]}")
                 continue
         except ValueError:
             print(f"line {n}: not a JSON object")
@@ -368,7 +391,7 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
             bad += 1
             continue
         checked += 1
-        label = f"#{_safe(r.get('index', n))}"
+        label = f"#{_safe(_rlabel(r) if type(r.get('index')) is int else r.get('index', n))}"
         if r.get("state") != "ready":
             print(f"{label}: {_safe(r.get('state'))} {_safe(r.get('error_code'))}")
             bad += 1
@@ -389,7 +412,27 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
             data = asyncio.run(_aread(targets[kind], r["object_id"], r["object_id"]))
             if hashlib.sha256(data).hexdigest() != r["sha256"] or len(data) != r.get("byte_count"):
                 raise GenartifactError("sha256 or byte_count mismatch")
-            decode(data)
+            art = decode(data)
+            g = r.get("group")
+            if isinstance(g, dict) and "prompt_part" in g:  # a group sample: its prompt part too, and the join
+                ref = g["prompt_part"]
+                if not isinstance(ref, dict) or not isinstance(ref.get("object_id"), str) \
+                        or not isinstance(ref.get("sha256"), str):
+                    raise GenartifactError("group.prompt_part has no object_id/sha256")
+                if ref["object_id"] not in prompt_parts:
+                    try:
+                        pdata = asyncio.run(_aread(targets[kind], ref["object_id"], ref["object_id"]))
+                        if hashlib.sha256(pdata).hexdigest() != ref["sha256"] or len(pdata) != ref.get("byte_count"):
+                            raise GenartifactError("sha256 or byte_count mismatch")
+                        prompt_parts[ref["object_id"]] = decode(pdata)
+                    except GenartifactError as e:
+                        prompt_parts[ref["object_id"]] = e
+                part = prompt_parts[ref["object_id"]]
+                if isinstance(part, GenartifactError):
+                    raise GenartifactError(f"prompt part {_safe(ref['object_id'])}: {part}")
+                from genartifact.groups import join
+
+                join(part, art)  # digest reference, prompt tokens, routers and row counts agree
         except GenartifactError as e:
             print(f"{label}: {_safe(r['object_id'])}: {_safe(e)}")
             bad += 1

@@ -224,11 +224,39 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL, readers: Mapping[str,
         dst = body[o : o + ref["byte_count"]].view(DTYPES[ref["dtype"]]).reshape(ref["shape"])
         np.copyto(dst, part.array, casting="same_kind")
         pos = o + ref["byte_count"]
-    _validate_contents(manifest, _views(manifest, memoryview(body), payload_start), readers)
+    data, digest = _compress_and_hash(
+        body, level, lambda: _validate_contents(manifest, _views(manifest, memoryview(body), payload_start), readers))
+    return EncodedArtifact(data=data, byte_count=len(data), sha256=digest, decoded_bytes=total)
+
+
+def _compress_and_hash(body: np.ndarray, level: int, validate: Any) -> tuple[bytes, str]:
+    """``(prelude + one-shot zstd frame of body, SHA-256 hex of those bytes)``, after ``validate()`` returned.
+
+    The frame is always zstd's one-shot compression of the whole body: zstd's streaming API gives different
+    bytes for some inputs (libzstd 1.5.7), and the stored bytes must not depend on how they were produced. For
+    bodies of at least :data:`PARALLEL_ENCODE_BYTES` the work that can overlap does: the compression runs in a
+    helper thread (zstd releases the GIL) while this thread runs the content validation, and the frame is hashed
+    in a helper thread (hashlib releases the GIL) while this thread joins prelude and frame. ``validate`` raising
+    discards the frame and re-raises (nothing is returned)."""
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-    frame = cctx.compress(body)
-    data = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD) + frame
-    return EncodedArtifact(data=data, byte_count=len(data), sha256=hashlib.sha256(data).hexdigest(), decoded_bytes=total)
+    prelude = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD)
+    if body.nbytes < PARALLEL_ENCODE_BYTES:
+        validate()
+        data = prelude + cctx.compress(body)
+        return data, hashlib.sha256(data).hexdigest()
+    pool = _hash_pool()
+    compressing = pool.submit(cctx.compress, body)
+    try:
+        validate()
+    except BaseException:
+        compressing.exception()  # wait for it: the body is never left in use by a thread; its result is dropped
+        raise
+    frame = compressing.result()
+    h = hashlib.sha256(prelude)
+    hashing = pool.submit(h.update, frame)
+    data = prelude + frame
+    hashing.result()
+    return data, h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------- reader
@@ -422,6 +450,9 @@ def _usable_cpus() -> int:
 #: Only with more than two usable CPUs: on a 2-core box shared with an engine the helper thread finds no free
 #: core and the hand-off costs more than it saves (measured, ``benchmarks/bench_decode.py``).
 PARALLEL_HASH_BYTES = 1 << 20 if _usable_cpus() > 2 else 1 << 62
+#: bodies at least this large (bytes) are encoded with compression, validation and hashing overlapped in helper
+#: threads (:func:`_compress_and_hash`); smaller ones inline (the hand-off costs more than it saves).
+PARALLEL_ENCODE_BYTES = 1 << 20
 _HASH_POOL: Any = None
 _HASH_POOL_LOCK = threading.Lock()
 
@@ -437,17 +468,22 @@ os.register_at_fork(after_in_child=_reset_hash_pool)
 def _hash_async(data: bytes) -> Any:
     """A callable returning the SHA-256 hex digest of ``data``: computed in a helper thread (two at most,
     shared by all decodes of the process) for objects of at least :data:`PARALLEL_HASH_BYTES`, else inline."""
-    global _HASH_POOL
     if len(data) < PARALLEL_HASH_BYTES:
         h = hashlib.sha256(data).hexdigest()
         return lambda: h
+    fut = _hash_pool().submit(lambda: hashlib.sha256(data).hexdigest())
+    return fut.result
+
+
+def _hash_pool() -> Any:
+    """The process's helper threads for hashing/compression (two, created on first use, re-created after fork)."""
+    global _HASH_POOL
     with _HASH_POOL_LOCK:
         if _HASH_POOL is None:
             from concurrent.futures import ThreadPoolExecutor
 
             _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genartifact-sha256")
-        fut = _HASH_POOL.submit(lambda: hashlib.sha256(data).hexdigest())
-    return fut.result
+        return _HASH_POOL
 
 
 def _frame_end(frame: bytes, has_checksum: bool) -> int:

@@ -92,11 +92,12 @@ def _check_group(samples: Sequence[fmt.ArtifactInput]) -> tuple[np.ndarray, int,
     return prompt, p, s, sec0
 
 
-def prompt_part(samples: Sequence[fmt.ArtifactInput], group_id: str) -> fmt.ArtifactInput:
+def prompt_part(samples: Sequence[fmt.ArtifactInput], group_id: str, size: int | None = None) -> fmt.ArtifactInput:
     """The group's prompt-part input (first wins: sample 0's rows for positions ``s .. P-2``).
 
     ``samples``: full (non-deduplicated) inputs of the group's samples, ``moe_routes.expert_ids`` stored
-    router-major ``[routers, rows, top_k]`` from a common ``token_start``. Raises :class:`GroupError`.
+    router-major ``[routers, rows, top_k]`` from a common ``token_start``. ``size``: the group's ``n`` (default
+    ``len(samples)``; larger when some samples failed or are re-run by ``--resume``). Raises :class:`GroupError`.
     """
     prompt, p, s, sec0 = _check_group(samples)
     ids, _ = _routes_of(samples[0])
@@ -105,13 +106,16 @@ def prompt_part(samples: Sequence[fmt.ArtifactInput], group_id: str) -> fmt.Arti
         token_ids=prompt.astype(np.uint32), prompt_token_count=p, contents=["moe_routes"],
         sections={"moe_routes": section},
         tensors=[fmt.TensorPart(ROUTES, np.ascontiguousarray(ids[:, : p - 1 - s]))],
-        header={**dict(samples[0].header), "group": {"id": group_id, "role": "prompt_part", "size": len(samples)}})
+        header={**dict(samples[0].header), "group": {"id": group_id, "role": "prompt_part",
+                                                    "size": len(samples) if size is None else size}})
 
 
 def sample_parts(samples: Sequence[fmt.ArtifactInput], group_id: str,
-                 prompt_receipt: Mapping[str, Any]) -> list[SamplePart]:
+                 prompt_receipt: Mapping[str, Any], indices: Sequence[int] | None = None,
+                 size: int | None = None) -> list[SamplePart]:
     """Each sample's deduplicated input, referencing the stored prompt part by ``prompt_receipt`` (its
-    ``sha256`` and ``byte_count``; ``object_id`` too when it has one).
+    ``sha256`` and ``byte_count``; ``object_id`` too when it has one). ``indices``: each sample's index in the
+    group (default ``0..len-1``), ``size``: the group's ``n`` (default ``len(samples)``).
 
     Sample *k*'s prompt rows are compared with the prompt part (sample 0's): equal -> it stores rows from
     ``P - 1``; otherwise from its first differing position (all differing rows stay with the sample) and
@@ -125,14 +129,18 @@ def sample_parts(samples: Sequence[fmt.ArtifactInput], group_id: str,
     ref: dict[str, Any] = {"sha256": sha, "byte_count": bc, "token_start": s, "rows": p - 1 - s}
     if isinstance(prompt_receipt.get("object_id"), str):
         ref["object_id"] = prompt_receipt["object_id"]
+    indices = list(range(len(samples))) if indices is None else list(indices)
+    if len(indices) != len(samples) or len(set(indices)) != len(indices):
+        raise GroupError(f"indices {indices} do not name each of the {len(samples)} samples once")
+    size = len(samples) if size is None else size
     out = []
-    for k, x in enumerate(samples):
+    for k, x in zip(indices, samples, strict=True):
         ids, sec = _routes_of(x)
         diff = np.nonzero((ids[:, : p - 1 - s] != shared).any(axis=(0, 2)))[0]
         t = s + int(diff[0]) if diff.size else p - 1
         tensors = [fmt.TensorPart(ROUTES, np.ascontiguousarray(ids[:, t - s :])) if tp.name == ROUTES else tp
                    for tp in x.tensors]
-        header = {**dict(x.header), "group": {"id": group_id, "role": "sample", "index": k, "size": len(samples),
+        header = {**dict(x.header), "group": {"id": group_id, "role": "sample", "index": k, "size": size,
                                               "prompt_row_mismatches": int(diff.size), "prompt_part": ref}}
         sections = {**x.sections, "moe_routes": {**sec, "token_start": t}}
         out.append(SamplePart(replace(x, sections=sections, tensors=tensors, header=header), int(diff.size), t))
@@ -186,7 +194,8 @@ async def aload_group(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
                       **kwargs: Any) -> BatchResult:
     """Load sample parts (receipts or ids) and return their joined :class:`~genartifact.loaders.Routes`, each
     distinct prompt part fetched once (by the ``object_id`` in the sample's reference, verified against its
-    ``sha256`` and ``byte_count``). Artifacts without a group header are returned as ``Routes.of(art)``.
+    ``sha256`` and ``byte_count``). Artifacts without a group header, or group samples stored whole (no
+    ``header.group.prompt_part``), are returned as ``Routes.of(art)``.
     Per-item failures land in ``BatchResult.errors`` (check ``layout`` for join failures, ``receipt`` for a
     malformed ``header.group.prompt_part`` reference; the prompt part read is bounded by that reference's
     ``byte_count`` + 1 and the decode limit, like any item). ``kwargs`` go to
@@ -202,8 +211,8 @@ async def aload_group(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
             continue
         g = art.manifest["header"].get("group")
         try:
-            if not isinstance(g, dict) or g.get("role") != "sample":
-                out[i] = Routes.of(art)
+            if not isinstance(g, dict) or g.get("role") != "sample" or "prompt_part" not in g:
+                out[i] = Routes.of(art)  # not deduplicated (no group, or a group sample stored whole)
                 continue
             r = _prompt_ref(g.get("prompt_part"))
             if r.object_id not in cache:
@@ -224,10 +233,105 @@ async def aload_group(items: Iterable[Mapping[str, Any] | str | ArtifactRef], ta
     return BatchResult(out, errors, res.bytes_fetched, res.peak_bytes_in_flight)
 
 
+@dataclass
+class GroupSlot:
+    """What :meth:`GroupCollector.submit` hands back to one sample: the input to store (its sample part, or the
+    full input when the group could not share a prompt part) and the receipt's ``group`` field."""
+
+    input: fmt.ArtifactInput
+    receipt_group: dict[str, Any]
+
+
+class GroupCollector:
+    """Gathers the full inputs of one group's samples as they finish generating, stores the prompt part once,
+    then hands each sample its sample part (``generate`` with ``"n" > 1``; one collector per group attempt).
+
+    ``indices``: the sample indices this attempt runs (all of ``0..size-1``, or the missing ones on
+    ``--resume``). ``store_prompt(input, leader)`` is awaited once, with the prompt-part input and the
+    lowest submitted sample index (whose request stores it), and returns that object's receipt (``state``,
+    ``object_id``, ``sha256``, ``byte_count`` or ``error_code``).
+
+    Every sample either submits its input (:meth:`submit`) or is withdrawn (:meth:`withdraw`: failed capture, aborted,
+    cancelled): once none is pending, the prompt part is built from the submitted samples (first wins: the
+    lowest index) and stored. If it cannot be built (no ``moe_routes``, routes start after the prompt) or
+    stored (any failure code), every submitted sample is stored whole and its receipt's ``group`` says why
+    (``not_shared``) — no sample ever references a prompt part that is not stored.
+    """
+
+    def __init__(self, group_id: str, size: int, indices: Sequence[int], store_prompt: Any) -> None:
+        self.group_id, self.size = group_id, size
+        self._pending = set(indices)
+        self._inputs: dict[int, fmt.ArtifactInput] = {}
+        self._slots: dict[int, GroupSlot] = {}
+        self._store_prompt = store_prompt
+        self._done = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.prompt_receipt: dict[str, Any] | None = None
+
+    def withdraw(self, index: int) -> None:
+        """Sample ``index`` will not submit (failed or cancelled); idempotent, a no-op after it submitted."""
+        if index in self._pending:
+            self._pending.discard(index)
+            self._maybe_build()
+
+    async def submit(self, index: int, inp: fmt.ArtifactInput) -> GroupSlot:
+        """Hand in sample ``index``'s full input; returns, once the prompt part is settled, what to store."""
+        if index not in self._pending:
+            raise GroupError(f"sample {index} is not pending in group {self.group_id}")
+        self._inputs[index] = inp
+        self._pending.discard(index)
+        self._maybe_build()
+        await self._done.wait()
+        return self._slots[index]
+
+    def _maybe_build(self) -> None:
+        if not self._pending and self._task is None:
+            if not self._inputs:
+                self._done.set()
+                return
+            self._task = asyncio.ensure_future(self._build())
+            self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _whole(self, reason: str) -> None:
+        for k, x in self._inputs.items():
+            g = {"id": self.group_id, "index": k, "size": self.size, "not_shared": reason}
+            hdr = {**dict(x.header), "group": {"id": self.group_id, "role": "sample", "index": k, "size": self.size}}
+            self._slots[k] = GroupSlot(replace(x, header=hdr), g)
+
+    async def _build(self) -> None:
+        try:
+            ks = sorted(self._inputs)
+            samples = [self._inputs[k] for k in ks]
+            try:
+                part = prompt_part(samples, self.group_id, self.size)
+            except GroupError as e:
+                self._whole("not_shareable: " + str(e)[:200])
+                return
+            try:
+                rec = dict(await self._store_prompt(part, ks[0]))
+            except Exception as e:  # noqa: BLE001 - a store bug must not lose the samples: they go whole
+                rec = {"state": "failed", "error_code": "internal_error", "error": type(e).__name__}
+            self.prompt_receipt = rec
+            if rec.get("state") != "ready":
+                self._whole(f"prompt_part_{rec.get('error_code', 'failed')}")
+                return
+            ref = {"object_id": rec["object_id"], "sha256": rec["sha256"], "byte_count": rec["byte_count"]}
+            for k, sp in zip(ks, sample_parts(samples, self.group_id, ref, ks, self.size), strict=True):
+                self._slots[k] = GroupSlot(sp.input, {"id": self.group_id, "index": k, "size": self.size,
+                                                      "prompt_part": ref, "prompt_row_mismatches":
+                                                      sp.prompt_row_mismatches, "route_token_start": sp.token_start})
+        except Exception as e:  # noqa: BLE001 - never leave a sample without its slot
+            log_error = type(e).__name__
+            self._slots.clear()
+            self._whole(f"internal_error: {log_error}")
+        finally:
+            self._done.set()
+
+
 def load_group(items: Iterable[Mapping[str, Any] | str | ArtifactRef], target: ReadableTarget,
                **kwargs: Any) -> BatchResult:
     """Synchronous :func:`aload_group`."""
     return asyncio.run(aload_group(items, target, **kwargs))
 
 
-__all__ = ["GroupError", "SamplePart", "aload_group", "join", "load_group", "prompt_part", "sample_parts"]
+__all__ = ["GroupCollector", "GroupError", "GroupSlot", "SamplePart", "aload_group", "join", "load_group", "prompt_part", "sample_parts"]

@@ -154,14 +154,23 @@ class Assessment:
 
 
 def vouchers(deliveries: Iterable[Mapping[str, Any]], receipts: Iterable[Mapping[str, Any]] = ()) -> dict[str, set[str]]:
-    """object id -> SHA-256 digests that a ``ready`` journal outcome or a ready receipt vouches for."""
+    """object id -> SHA-256 digests that a ``ready`` journal outcome or a ready receipt vouches for. A ready
+    group sample's receipt also vouches for the prompt part it references (``group.prompt_part``: its
+    ``object_id`` and ``sha256``), so reconcile never calls a referenced prompt part an orphan."""
     out: dict[str, set[str]] = {}
     for d in deliveries:
         if d.get("last_state") == "ready":
             out.setdefault(d["object_id"], set()).add(d["sha256"])
     for r in receipts:
-        if r.get("state") == "ready" and isinstance(r.get("object_id"), str) and isinstance(r.get("sha256"), str):
-            out.setdefault(r["object_id"], set()).add(r["sha256"])
+        if r.get("state") != "ready":
+            continue
+        refs = [r]
+        g = r.get("group")
+        if isinstance(g, dict) and isinstance(g.get("prompt_part"), dict):
+            refs.append(g["prompt_part"])
+        for x in refs:
+            if isinstance(x.get("object_id"), str) and isinstance(x.get("sha256"), str):
+                out.setdefault(x["object_id"], set()).add(x["sha256"])
     return out
 
 

@@ -103,6 +103,9 @@ class ArtifactSession:
         self._finished = False
         self.peak_retained = 0
         self.failed_code: str | None = None
+        # GRPO groups (generate "n" > 1): the group's collector and this sample's index; see groups.GroupCollector
+        self.group: Any = None
+        self.group_index: int | None = None
 
     @classmethod
     def for_request(cls, host: PluginHost, request: ArtifactRequest, model: ModelInfo,
@@ -300,9 +303,30 @@ class ArtifactSession:
         except Exception as e:  # noqa: BLE001 - a plugin bug must not fail generation
             log.error("artifact_collect_failed", error_type=type(e).__name__, error=str(e))
             return failed_receipt(self.request, "internal_error")
+        group_field = None
+        if self.group is not None:  # a group sample: wait until the prompt part is settled (holding no slot)
+            slot = await self.group.submit(self.group_index, inp)
+            inp, group_field = slot.input, slot.receipt_group
         sem = self.host.pipeline()
         await sem.acquire()  # cancelled here -> the operation never starts
         task = asyncio.ensure_future(self._encode_and_deliver(inp, sem))
+        task.add_done_callback(_consume)
+        receipt = await asyncio.shield(task)
+        return receipt if group_field is None else {**receipt, "group": group_field}
+
+    async def deliver_extra(self, inp: fmt.ArtifactInput, target_spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Encode and store one more object of this request (a group's prompt part) at ``target_spec`` (same
+        target kind, validated here), journaled and bounded like the request's own artifact (its admitted
+        decoded budget and the target's ``max_bytes``). Returns its receipt; never raises for delivery failures
+        (a ``failed`` receipt with the stable code, ``target_invalid`` for a spec the target refuses)."""
+        self._require_admitted()
+        try:
+            validated = self._target.validate(target_spec)
+        except TargetError:
+            return failed_receipt(self.request, "target_invalid")
+        sem = self.host.pipeline()
+        await sem.acquire()
+        task = asyncio.ensure_future(self._encode_and_deliver(inp, sem, validated))
         task.add_done_callback(_consume)
         return await asyncio.shield(task)
 
@@ -327,8 +351,10 @@ class ArtifactSession:
             header=self._header,
         )
 
-    async def _encode_and_deliver(self, inp: fmt.ArtifactInput, sem: asyncio.Semaphore) -> dict[str, Any]:
-        assert self._validated is not None
+    async def _encode_and_deliver(self, inp: fmt.ArtifactInput, sem: asyncio.Semaphore,
+                                  validated: ValidatedTarget | None = None) -> dict[str, Any]:
+        validated = validated or self._validated
+        assert validated is not None
         did = None  # journal delivery id: every intent gets an outcome, whatever happens after it
         try:
             try:
@@ -339,16 +365,16 @@ class ArtifactSession:
             if enc.decoded_bytes > self.budget:
                 log.error("artifact_over_budget", decoded=enc.decoded_bytes, budget=self.budget)
                 return failed_receipt(self.request, "capture_invalid")
-            if enc.byte_count > self._validated.max_bytes:
+            if enc.byte_count > validated.max_bytes:
                 return failed_receipt(self.request, "too_large")
             if self.journal is not None:
                 describe = getattr(self._target, "describe", None)
-                ref = describe(self._validated) if describe is not None else {}
+                ref = describe(validated) if describe is not None else {}
                 did = await asyncio.to_thread(self.journal.intent, kind=self.request.target_kind,
-                                              object_id=self._validated.object_id, ref=ref, sha256=enc.sha256,
+                                              object_id=validated.object_id, ref=ref, sha256=enc.sha256,
                                               byte_count=enc.byte_count)
             try:
-                object_id = await self._target.deliver(self._validated, enc.data, enc.sha256)
+                object_id = await self._target.deliver(validated, enc.data, enc.sha256)
             except (DeliveryError, TargetError) as e:
                 code = "target_invalid" if isinstance(e, TargetError) else e.code
                 code = code if code in ERROR_MESSAGES else "delivery_failed"
@@ -367,7 +393,7 @@ class ArtifactSession:
                 raise
             await self._journal_outcome(did, "ready")
             did = None
-            object_id = self._validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
+            object_id = validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
             log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
             return {
                 "format": self.request.format,
@@ -400,6 +426,8 @@ class ArtifactSession:
 
     async def aclose(self, engine: Any = None) -> None:
         """Release engine-side state (producers' optional ``discard(engine)``), then :meth:`release`."""
+        if self.group is not None:  # never submitted (failed, aborted, cancelled): the others must not wait
+            self.group.withdraw(self.group_index)
         try:
             for p in self._producers:
                 discard = getattr(p, "discard", None)

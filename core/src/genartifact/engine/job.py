@@ -48,6 +48,7 @@ log = structlog.get_logger("genartifact.job")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "logprobs")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_N = 256  # samples per prompts row ("n"); sample keys carry a 3-digit index
 DRAIN_S = 60.0  # after SIGINT/SIGTERM: how long started deliveries may finish (the default whole-delivery deadline)
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -73,6 +74,7 @@ ROW_FIELDS: dict[str, tuple[Any, str]] = {
     "seed": (lambda v: _int(v, 0, 2**63 - 1), "a non-negative integer"),
     "logprobs": (lambda v: _int(v, 0, MAX_LOGPROBS), f"an integer 0..{MAX_LOGPROBS}"),
     "target": (lambda v: isinstance(v, dict), "a target object"),
+    "n": (lambda v: _int(v, 1, MAX_N), f"an integer 1..{MAX_N} (samples of this prompt, run as one group)"),
 }
 
 
@@ -85,8 +87,9 @@ def read_prompt_rows(path: str | Path) -> list[dict[str, Any] | RequestSpecError
     :class:`RequestSpecError` (naming the line, the field and the allowed values) that refuses that row alone.
 
     A row has ``prompt`` and optional per-request ``max_tokens``, ``contents``, ``routed_experts_prompt_start``,
-    sampling parameters (``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``) and ``target`` (a
-    full target object, e.g. a presigned URL grant for this request, overriding ``--target``). Types are strict
+    sampling parameters (``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``), ``target`` (a
+    full target object, e.g. a presigned URL grant for this request, overriding ``--target``) and ``n`` (samples
+    of this prompt, run as one GRPO group: :func:`run_group`). Types are strict
     (no coercion). Lines are split on ``\\n`` only (JSONL): U+2028, U+0085 and other Unicode line separators
     are legal inside JSON strings; a trailing ``\\r`` is dropped. Each line is decoded as UTF-8 on its own.
     Raises :class:`RequestSpecError` only for the file as a whole (unreadable, or no rows)."""
@@ -208,9 +211,20 @@ class ReceiptsWriter:
                       f"{r.get('error_code', '')}", file=stream)
 
 
-def read_receipts(path: str | Path) -> dict[int, dict[str, Any]]:
-    """The last receipt per row ``index`` in an existing receipts file (a resumed run appends; the last
-    one wins). A torn last line (a crash mid-write) is ignored. Raises :class:`RequestSpecError`."""
+def receipt_key(rec: Mapping[str, Any]) -> int | tuple[int, int]:
+    """A receipt's key in a run: its row ``index``, or ``(index, sample)`` for a group sample's receipt."""
+    k = rec.get("sample")
+    return (rec["index"], k) if isinstance(k, int) and not isinstance(k, bool) else rec["index"]
+
+
+def _key_order(k: int | tuple[int, int]) -> tuple[int, int]:
+    return k if isinstance(k, tuple) else (k, -1)
+
+
+def read_receipts(path: str | Path) -> dict[int | tuple[int, int], dict[str, Any]]:
+    """The last receipt per key (:func:`receipt_key`: row ``index``, or ``(index, sample)`` for a group sample)
+    in an existing receipts file (a resumed run appends; the last one wins). A torn last line (a crash
+    mid-write) is ignored. Raises :class:`RequestSpecError`."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
@@ -227,7 +241,7 @@ def read_receipts(path: str | Path) -> dict[int, dict[str, Any]]:
                 continue
             raise RequestSpecError(f"receipts file {str(path)!r} line {n} is not JSON") from None
         if isinstance(rec, dict) and isinstance(rec.get("index"), int):
-            out[rec["index"]] = rec
+            out[receipt_key(rec)] = rec
     return out
 
 
@@ -312,9 +326,34 @@ def _fault_receipt(i: int, spec: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"index": i, **fault_receipt(req, PluginFault(""))}
 
 
+def group_object_target(target: Mapping[str, Any], part: str) -> dict[str, Any]:
+    """The target of one object of a group (``"n" > 1``): the row's target with ``part`` inserted before the
+    extension of its ``object_key`` — ``runs/R/00003.gart`` -> ``runs/R/00003.s002.gart`` for sample 2
+    (``part = "s002"``), ``runs/R/00003.prompt-<group id>.gart`` for the group's prompt part; a key without an
+    extension gets ``.<part>`` appended. Raises :class:`RequestSpecError` for a target without an ``object_key``
+    (a presigned URL grant names exactly one object: give one row per sample there)."""
+    key = target.get("object_key")
+    if not isinstance(key, str) or not key:
+        raise RequestSpecError(f'"n" > 1 needs a target with an object_key (e.g. managed_fsspec) to derive each '
+                               f"sample's key from; target kind {target.get('kind')!r} has none (a presigned URL "
+                               f"names one object: give one row per sample instead)")
+    head, slash, name = key.rpartition("/")
+    stem, dot, ext = name.rpartition(".")
+    name = f"{stem}.{part}.{ext}" if dot and stem else f"{name}.{part}"
+    return {**target, "object_key": f"{head}{slash}{name}"}
+
+
+def sample_spec(spec: Mapping[str, Any], k: int) -> dict[str, Any]:
+    """Sample ``k``'s request spec: ``spec`` with the target from :func:`group_object_target` (``s{k:03d}``)."""
+    tgt = group_object_target(spec["delivery"]["target"], f"s{k:03d}")
+    return {**spec, "delivery": {**spec["delivery"], "target": tgt}}
+
+
 def preflight_row(host: PluginHost, targets: Mapping[str, Any], row: Mapping[str, Any], contents: list[str],
-                  target_arg: str, run_id: str, index: int) -> dict[str, Any]:
-    """The row's validated request spec; raises :class:`GenartifactError` (nothing is sent anywhere)."""
+                  target_arg: str, run_id: str, index: int, allow_groups: bool = True) -> dict[str, Any]:
+    """The row's validated request spec; raises :class:`GenartifactError` (nothing is sent anywhere). A row
+    with ``"n" > 1`` also has every sample's and the prompt part's derived target validated
+    (:func:`group_object_target`); ``allow_groups=False`` refuses it (``generate --replicas``)."""
     tgt = dict(row["target"]) if "target" in row else target_for(target_arg, run_id, index, host)
     spec = {"format": "generation_artifact_v1", "contents": row.get("contents", contents), "codec": "zstd",
             "delivery": {"mode": "object_store", "target": tgt}}
@@ -328,6 +367,14 @@ def preflight_row(host: PluginHost, targets: Mapping[str, Any], row: Mapping[str
     if target is None:
         raise RequestSpecError(f"target kind '{req.target_kind}': its plugin returned no target")
     target.validate(req.target)
+    n = row.get("n", 1)
+    if n > 1:
+        if not allow_groups:
+            raise RequestSpecError('"n" > 1 (a group) is not supported with --replicas yet; allowed there: 1 (or '
+                                   "run without --replicas)")
+        for k in range(n):
+            target.validate(sample_spec(spec, k)["delivery"]["target"])
+        target.validate(group_object_target(spec["delivery"]["target"], "prompt-" + "0" * 12))
     return spec
 
 
@@ -342,6 +389,25 @@ class _Interrupted(BaseException):
 def _interrupted_receipt(i: int) -> dict[str, Any]:
     return {"index": i, "state": "failed", "error_code": "interrupted",
             "error": "the run was stopped (signal) before this request finished; rerun with --resume"}
+
+
+def _group_of(data: bytes) -> dict[str, Any] | None:
+    """A recovered group sample's receipt ``group`` field, from its own ``header.group`` (None otherwise)."""
+    from genartifact import format as fmt
+
+    try:
+        g = fmt.decode(data).manifest["header"].get("group")
+    except (GenartifactError, ValueError):
+        return None
+    if not isinstance(g, dict) or g.get("role") != "sample":
+        return None
+    out = {k: g[k] for k in ("id", "index", "size", "prompt_row_mismatches") if k in g}
+    if isinstance(g.get("prompt_part"), dict):
+        out["prompt_part"] = {k: g["prompt_part"][k] for k in ("object_id", "sha256", "byte_count")
+                              if k in g["prompt_part"]}
+    else:
+        out["not_shared"] = "stored whole"
+    return out
 
 
 async def _recover_from_journal(targets: Mapping[str, Any], spec: Mapping[str, Any], journal: Any,
@@ -370,9 +436,11 @@ async def _recover_from_journal(targets: Mapping[str, Any], spec: Mapping[str, A
                     await asyncio.to_thread(journal.outcome, d["id"], "ready")
                 except OSError:
                     pass
-            return {"format": spec["format"], "contents": sorted(spec["contents"]), "state": "ready", "target": kind,
-                    "byte_count": len(data), "sha256": d["sha256"], "object_id": object_id,
-                    "recovered": "read_back"}
+            rec = {"format": spec["format"], "contents": sorted(spec["contents"]), "state": "ready", "target": kind,
+                   "byte_count": len(data), "sha256": d["sha256"], "object_id": object_id,
+                   "recovered": "read_back"}
+            group = _group_of(data)
+            return rec if group is None else {**rec, "group": group}
     return None
 
 
@@ -413,15 +481,118 @@ async def run_row(engine: Any, i: int, row: Mapping[str, Any], spec: Mapping[str
     return receipt
 
 
+async def run_group(engine: Any, i: int, row: Mapping[str, Any], spec: Mapping[str, Any],
+                    settings: Mapping[str, Any], journal: Any, max_tokens: int, samples: list[int],
+                    on_receipt: Any = None, on_generated: Any = None) -> list[dict[str, Any]]:
+    """Run a ``"n": K`` prompts row as one GRPO group (``samples``: the sample indices to run, all of
+    ``0..K-1`` or, on ``--resume``, those without a ready receipt) and return one receipt per sample.
+
+    Each sample is its own engine request (K requests rather than vLLM's ``SamplingParams.n``: each keeps its
+    own request id, capture rows and admission, so its artifact is exactly that of a one-sample request).
+    A row ``seed`` gives sample k the seed ``seed + k`` — vLLM's own rule for ``n > 1``
+    (``v1/engine/parallel_sampling.py``: child k gets ``seed + index``). Every sample is admitted (as a full,
+    non-deduplicated artifact: the worst case of its sample part) before any starts; one refusal rejects the
+    whole group. The prompt part is stored once (:class:`genartifact.groups.GroupCollector`) at
+    ``group_object_target(target, "prompt-<group id>")``, each sample at ``sample_spec(spec, k)``.
+
+    Receipts: ``index``, ``sample``, ``group`` (``id``, ``index``, ``size``; when shared: ``prompt_part``
+    (``object_id``, ``sha256``, ``byte_count``), ``prompt_row_mismatches``, ``route_token_start``; else
+    ``not_shared``: why the sample was stored whole). ``on_receipt(receipt)`` is called as each sample ends
+    (a stop never loses a finished sample's receipt); ``on_generated()`` once every sample finished generating.
+    Never raises for a sample (a sample's failure is its receipt only)."""
+    from genartifact.engine.vllm_adapter import RequestResult
+    from genartifact.groups import GroupCollector
+
+    n = int(row["n"])
+    gid = uuid.uuid4().hex[:12]
+    max_len = int(engine.model_info.engine_options.get("max_model_len", 0))
+    ids = engine.tokenizer(row["prompt"])["input_ids"]
+    sampling = {"max_tokens": row.get("max_tokens", max_tokens), "temperature": 1.0}
+    sampling.update({k: row[k] for k in SAMPLING_KEYS if k in row})
+
+    def base(k: int) -> dict[str, Any]:
+        return {"index": i, "sample": k, "group": {"id": gid, "index": k, "size": n}}
+
+    def done(r: dict[str, Any]) -> dict[str, Any]:
+        if on_receipt is not None:
+            on_receipt(r)
+        return r
+
+    preps: dict[int, Any] = {}
+    refused: dict[str, Any] | None = None
+    try:
+        if max_len and len(ids) >= max_len:
+            raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
+        for k in samples:  # the group's worst case: every sample admitted before any runs
+            sk = dict(sampling)
+            if row.get("seed") is not None:
+                sk["seed"] = int(row["seed"]) + k
+            preps[k] = engine.prepare(ids, sk, sample_spec(spec, k), settings,
+                                      routes_start=row.get("routed_experts_prompt_start", 0), journal=journal)
+    except PluginFault:
+        refused = _fault_receipt(i, spec)
+    except GenartifactError as e:
+        refused = {"state": "rejected", "error_code": "admission_rejected", "error": str(e)}
+    except (ValueError, TypeError) as e:
+        refused = {"state": "rejected", "error_code": "engine_rejected", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    if refused is not None:
+        for p in preps.values():
+            if p.session is not None:
+                p.session.release()
+        return [done({**refused, **base(k)}) for k in samples]
+    tgt = spec["delivery"]["target"]
+
+    async def store_prompt(part: Any, leader: int) -> dict[str, Any]:
+        return await preps[leader].session.deliver_extra(part, group_object_target(tgt, f"prompt-{gid}"))
+
+    collector = GroupCollector(gid, n, samples, store_prompt)
+    for k, p in preps.items():
+        p.session.group, p.session.group_index = collector, k
+    generating = set(samples)
+
+    async def one(k: int) -> dict[str, Any]:
+        res = None
+        try:
+            async for ev in engine.execute(preps[k], stream=False):
+                if isinstance(ev, RequestResult):
+                    res = ev
+                elif ev[0].finished:
+                    generating.discard(k)
+                    if not generating and on_generated is not None:
+                        on_generated()
+            assert res is not None
+            receipt = {**dict(res.receipt or {}), "prompt_tokens": len(ids),
+                       "completion_tokens": len(res.completion_token_ids)}
+        except (ValueError, TypeError) as e:  # the engine's own request validation (before generation)
+            receipt = {"state": "rejected", "error_code": "engine_rejected",
+                       "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one sample's failure must not lose the others' receipts
+            log.error("group_sample_failed", index=i, sample=k, error_type=type(e).__name__)
+            receipt = {"state": "failed", "error_code": "internal_error", "error": f"sample failed: {type(e).__name__}"}
+            preps[k].session.release()  # idempotent; a sample that never started holds its capture state
+        finally:
+            generating.discard(k)
+            collector.withdraw(k)  # a no-op once it submitted; else the others must not wait for it
+        b = base(k)
+        return done({**b, **receipt, "group": {**b["group"], **receipt.get("group", {})}})
+
+    return list(await asyncio.gather(*(one(k) for k in samples)))
+
+
 async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpecError], cfg: config_mod.Config,
                        contents: list[str], target: str, max_tokens: int, run_id: str,
                        engine_kwargs: Mapping[str, Any], progress: bool = True, writer: ReceiptsWriter | None = None,
-                       done: Mapping[int, Mapping[str, Any]] | None = None,
+                       done: Mapping[Any, Mapping[str, Any]] | None = None,
                        stop: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Validate every row, then run the valid ones concurrently through one engine; one receipt per prompt
-    (``rejected`` for rows refused before inference), returned in input order and, with ``writer``, appended
-    to it as each request ends. ``done``: receipts of an earlier run (``--resume``): rows with a ready one are
-    skipped. ``stop``: filled with ``{"signal": signum}`` when SIGINT/SIGTERM stopped the run."""
+    """Validate every row, then run the valid ones concurrently through one engine; one receipt per prompt,
+    one per sample for a ``"n" > 1`` row (:func:`run_group`; ``rejected`` for rows refused before inference),
+    returned in input order (then sample order) and, with ``writer``, appended to it as each request ends.
+    ``done``: receipts of an earlier run (``--resume``, keyed by :func:`receipt_key`): rows with a ready one
+    are skipped, and of a group only the samples without a ready receipt run again (as a new group attempt
+    with its own prompt part). ``stop``: filled with ``{"signal": signum}`` when SIGINT/SIGTERM stopped the
+    run."""
     from tqdm import tqdm
 
     done = done or {}
@@ -430,17 +601,22 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
     targets = check_target_tables(cfg, host)
     settings = cfg.target_settings()
     journal = cfg.journal()
-    receipts: dict[int, dict[str, Any]] = {}
+    receipts: dict[int | tuple[int, int], dict[str, Any]] = {}
 
-    def emit(i: int, r: dict[str, Any]) -> None:
+    def emit(i: int | tuple[int, int], r: dict[str, Any]) -> None:
         receipts[i] = r
         if writer is not None:
             writer.write(r)
 
     specs: dict[int, dict[str, Any]] = {}
+    todo: dict[int, list[int]] = {}  # group rows: the sample indices to run
     for i, row in enumerate(prompts):
         if done.get(i, {}).get("state") == "ready":
             continue
+        if isinstance(row, dict) and row.get("n", 1) > 1:
+            todo[i] = [k for k in range(row["n"]) if done.get((i, k), {}).get("state") != "ready"]
+            if not todo[i]:
+                continue
         if isinstance(row, RequestSpecError):
             emit(i, {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(row)})
             continue
@@ -450,17 +626,29 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
             emit(i, _fault_receipt(i, None))
         except (GenartifactError, ValueError, TypeError, OverflowError) as e:
             emit(i, {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(e)})
+        else:
+            continue
+        todo.pop(i, None)
     if done and specs:  # --resume: objects a crashed run stored are recognised by SHA-256 read-back
         intents: dict[str, list[dict[str, Any]]] = {}
         for d in (journal.deliveries() if journal is not None else []):
             intents.setdefault(d["object_id"], []).append(d)
         for i in list(specs):
+            if i in todo:  # a group: each missing sample on its own (its header names its group and prompt part)
+                for k in list(todo[i]):
+                    rec = await _recover_from_journal(targets, sample_spec(specs[i], k), journal, intents)
+                    if rec is not None:
+                        emit((i, k), {**rec, "index": i, "sample": k})
+                        todo[i].remove(k)
+                if not todo[i]:
+                    del specs[i], todo[i]
+                continue
             rec = await _recover_from_journal(targets, specs[i], journal, intents)
             if rec is not None:
                 emit(i, {**rec, "index": i})
                 del specs[i]
     if not specs:
-        return [receipts[i] for i in sorted(receipts)]
+        return [receipts[i] for i in sorted(receipts, key=_key_order)]
     loop = asyncio.get_running_loop()
     tasks: dict[int, asyncio.Task[dict[str, Any]]] = {}
     delivering: set[int] = set()
@@ -498,9 +686,15 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
             raise _Interrupted(stop["signal"])
         bar = tqdm(total=len(specs), desc="generate", unit="req", disable=not progress)
 
-        async def one(i: int) -> dict[str, Any]:
+        async def one(i: int) -> Any:
             row = prompts[i]
             assert isinstance(row, dict)
+            if i in todo:
+                out = await run_group(engine, i, row, specs[i], settings, journal, max_tokens, todo[i],
+                                      on_receipt=lambda r: emit(receipt_key(r), r),
+                                      on_generated=lambda: delivering.add(i))
+                bar.update(1)
+                return out
             receipt = await run_row(engine, i, row, specs[i], settings, journal, max_tokens,
                                     on_generated=lambda: delivering.add(i))  # from here on a stop drains
             emit(i, receipt)
@@ -531,9 +725,11 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
             loop.remove_signal_handler(s)
         engine.shutdown()
         for i in specs:
-            if i not in receipts:
-                emit(i, _interrupted_receipt(i))
-    return [receipts[i] for i in sorted(receipts)]
+            for key in ([(i, k) for k in todo[i]] if i in todo else [i]):
+                if key not in receipts:
+                    r = _interrupted_receipt(i)
+                    emit(key, r if key == i else {**r, "sample": key[1]})
+    return [receipts[i] for i in sorted(receipts, key=_key_order)]
 
 
 def run_generate_cli(args: argparse.Namespace) -> int:
@@ -569,7 +765,7 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     if not (model / "config.json").is_file():
         raise RequestSpecError(f"--model {args.model!r} is not a model directory (no config.json)")
     out = Path(args.out or Path("artifacts") / "runs" / run_id / "receipts.jsonl")
-    done: dict[int, dict[str, Any]] = {}
+    done: dict[Any, dict[str, Any]] = {}
     if resume:
         done = read_receipts(out)
     elif out.exists() or out.is_symlink():
@@ -607,11 +803,15 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     finally:
         writer.close()
         writer.report_unwritten()
-    final = {**{i: r for i, r in done.items()}, **{r["index"]: r for r in receipts}}
-    ready = sum(r.get("state") == "ready" for r in final.values())
-    log.info("generate_done", run_id=run_id, ready=ready, total=len(prompts), receipts=str(out),
+    final = {**done, **{receipt_key(r): r for r in receipts}}
+    # one artifact per row, n per group row (a row refused before it was parsed counts once)
+    expected = [(i, k) for i, row in enumerate(prompts) if isinstance(row, dict) and row.get("n", 1) > 1
+                for k in range(row["n"])]
+    expected += [i for i, row in enumerate(prompts) if not (isinstance(row, dict) and row.get("n", 1) > 1)]
+    ready = sum(final.get(key, {}).get("state") == "ready" for key in expected)
+    log.info("generate_done", run_id=run_id, ready=ready, total=len(expected), receipts=str(out),
              seconds=round(time.perf_counter() - t0, 2), interrupted=bool(stop))
-    print(f"{ready}/{len(prompts)} artifacts ready; receipts: {out}")
+    print(f"{ready}/{len(expected)} artifacts ready; receipts: {out}")
     if writer.unwritten:
         print(f"error: {len(writer.unwritten)} receipt(s) could not be written to {out} (named above)",
               file=sys.stderr)
@@ -619,4 +819,4 @@ def run_generate_cli(args: argparse.Namespace) -> int:
         print(f"error: stopped by {signal.Signals(stop['signal']).name}; rerun with --resume --run-id {run_id}",
               file=sys.stderr)
         return EXIT_SIGNAL.get(stop["signal"], 1)
-    return 0 if ready == len(prompts) and not writer.unwritten else 1
+    return 0 if ready == len(expected) and not writer.unwritten else 1

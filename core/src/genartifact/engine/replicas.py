@@ -108,7 +108,7 @@ def preflight(cfg: config_mod.Config, prompts: list[Any], contents: list[str], t
             emit(i, {"index": i, "state": "rejected", "error_code": "request_invalid", "error": str(row)})
             continue
         try:
-            specs[i] = preflight_row(host, targets, row, contents, target, run_id, i)
+            specs[i] = preflight_row(host, targets, row, contents, target, run_id, i, allow_groups=False)
         except PluginFault:
             emit(i, _fault_receipt(i, None))
         except (GenartifactError, ValueError, TypeError, OverflowError) as e:
