@@ -13,8 +13,8 @@ from genartifact import format as fmt
 from genartifact import loaders
 from genartifact.errors import ArtifactFormatError
 from genartifact.testing import hostile
-from hypothesis import HealthCheck, given, settings
 from genartifact_route_weights import to_bf16_bits
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 HOSTILE = [None, True, False, -1, 0, 1, 2**31, 2**63, -(2**63), 1e308, 1.5, "", "x" * 40, [], {}, [0] * 9,

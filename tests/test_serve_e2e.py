@@ -172,8 +172,9 @@ def test_route_weights_through_the_artifact_field(server):
     """moe_route_weights asked for in the request's artifact field (completions streamed, chat, /generate with
     routed_experts_prompt_start): weights aligned 1:1 with the routes and equal to HF's router (fp32, 1e-5 as
     in tests/test_route_weights_engine.py)."""
-    from conftest import tiny_model
     from genartifact_route_capture import replay_check as rc
+
+    from conftest import tiny_model
 
     want = ["moe_routes", "moe_route_weights"]
     base = server["base"]
