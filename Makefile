@@ -7,7 +7,7 @@ MODEL  ?= .models/tiny-qwen3-moe
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: demo test lint bench bench-demo mutation fuzz clean
+.PHONY: demo test lint bench bench-demo mutation fuzz faults clean
 
 $(STAMP): requirements-dev.txt core/pyproject.toml plugins/*/pyproject.toml
 	python3 -m venv $(VENV)
@@ -75,6 +75,10 @@ bench-demo: $(STAMP) $(MODEL)/model.safetensors
 SAMPLE ?= 80
 mutation: $(STAMP)
 	$(PY) mutation/run.py --sample $(SAMPLE)
+
+# the fault registry: distinct bad inputs and faults tested (tests marked @pytest.mark.fault), per area
+faults: $(STAMP)
+	$(PY) -m pytest --collect-only -q --faults core/tests plugins tests
 
 # long-mode reader fuzz (structure-aware mutations + decompression bombs)
 fuzz: $(STAMP)

@@ -35,6 +35,11 @@ MODULES = {
     "fsspec_target": ("plugins/fsspec_target/src/genartifact_fsspec_target/__init__.py",
                       "plugins/fsspec_target/tests/test_fsspec_target.py plugins/fsspec_target/tests/test_s3.py "
                       "tests/test_journal_reconcile.py"),
+    # route and logprob finalize: captured rows -> admitted tensors (row counts, expert-id ranges, NaN/+inf)
+    "route_finalize": ("plugins/route_capture/src/genartifact_route_capture/__init__.py",
+                       "plugins/route_capture/tests tests/test_session_pipeline.py"),
+    "logprob_finalize": ("plugins/logprobs/src/genartifact_logprobs/__init__.py",
+                         "plugins/logprobs/tests tests/test_session_pipeline.py"),
 }
 
 

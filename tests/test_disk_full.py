@@ -59,6 +59,7 @@ def _session(settings, journal=None, key=None):
     return s
 
 
+@pytest.mark.fault("disk", "object store disk full (tmpfs)")
 def test_object_on_full_disk_fails_that_delivery_only_no_temp(full_fs):
     t = ManagedFsspecTarget(parse_profiles({"profiles": {"p": {"url": f"file://{full_fs}", "allowed_prefixes": [""]}}}))
     (full_fs / "runs").mkdir()
@@ -72,6 +73,7 @@ def test_object_on_full_disk_fails_that_delivery_only_no_temp(full_fs):
     assert os.listdir(full_fs / "runs") == ["small.gart"]
 
 
+@pytest.mark.fault("disk", "journal disk full at the intent")
 def test_journal_on_full_disk_refuses_the_upload_and_says_so(full_fs, tmp_path):
     store = tmp_path / "store"
     settings = {"managed_fsspec": {"profiles": {"p": {"url": f"file://{store}", "allowed_prefixes": ["runs/"]}}}}
@@ -81,6 +83,7 @@ def test_journal_on_full_disk_refuses_the_upload_and_says_so(full_fs, tmp_path):
     assert not store.exists() or not list(store.rglob("*.gart"))  # no intent -> no upload
 
 
+@pytest.mark.fault("disk", "receipts disk full (tmpfs)")
 def test_receipts_on_full_disk_keep_what_fits_no_torn_line(full_fs, capsys):
     w = ReceiptsWriter(full_fs / "receipts.jsonl")
     assert w.write({"index": 0, "state": "ready", "object_id": "p:runs/0.gart", "sha256": "0" * 64})
@@ -97,6 +100,7 @@ def test_receipts_on_full_disk_keep_what_fits_no_torn_line(full_fs, capsys):
     assert sorted(os.listdir(full_fs)) == ["receipts.jsonl"]
 
 
+@pytest.mark.fault("disk", "ENOSPC writing the journal outcome")
 def test_journal_outcome_enospc_keeps_the_ready_receipt(tmp_path, monkeypatch):
     """The object is stored; a journal that cannot take the outcome must not turn the receipt into a failure."""
     settings = {"managed_fsspec": {"profiles": {"p": {"url": f"file://{tmp_path / 'store'}",
@@ -115,6 +119,7 @@ def test_journal_outcome_enospc_keeps_the_ready_receipt(tmp_path, monkeypatch):
     assert d["last_state"] is None and real
 
 
+@pytest.mark.fault("disk", "ENOSPC writing the object")
 def test_object_enospc_simulated_leaves_no_temp(tmp_path, monkeypatch):
     t = ManagedFsspecTarget(parse_profiles({"profiles": {"p": {"url": f"file://{tmp_path}", "allowed_prefixes": [""]}}}))
     real_fsync = os.fsync

@@ -17,6 +17,7 @@ from genartifact.engine.job import ReceiptsWriter, read_prompt_rows, read_receip
 from genartifact.errors import RequestSpecError
 
 
+@pytest.mark.fault("generate", "U+2028 / U+0085 inside a JSON string")
 def test_jsonl_is_split_on_newline_only(tmp_path):
     f = tmp_path / "p.jsonl"
     rows = [{"prompt": "a\u2028b"}, {"prompt": "c\u0085d\u2029e\x1cf\x1dg\x1eh\x0bi\x0cj"}, {"prompt": "crlf"}]
@@ -25,6 +26,7 @@ def test_jsonl_is_split_on_newline_only(tmp_path):
     assert read_prompt_rows(f) == rows
 
 
+@pytest.mark.fault("generate", "bad prompt rows among good ones")
 def test_bad_rows_become_errors_and_the_rest_stay(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_bytes(b'{"prompt": "ok"}\nnot json\n{"prompt": "\xff"}\n{"prompt": "x", "colour": 1}\n'
@@ -37,6 +39,7 @@ def test_bad_rows_become_errors_and_the_rest_stay(tmp_path):
     assert "max_tokens=0" in errs[3] and ":6: not JSON" in errs[4]
 
 
+@pytest.mark.fault("generate", "every row bad: rejected receipts, no engine")
 def test_bad_rows_get_rejected_receipts_without_engine(tmp_path):
     cfg = config_mod.parse(config_mod.DEFAULT_TOML, source="d", base_dir=tmp_path)
     f = tmp_path / "p.jsonl"
@@ -52,6 +55,7 @@ def test_bad_rows_get_rejected_receipts_without_engine(tmp_path):
     assert [json.loads(x)["index"] for x in out.read_text().splitlines()] == [0, 1]  # written as they were known
 
 
+@pytest.mark.fault("generate", "existing receipts file without --resume")
 def test_receipts_writer_create_only_and_resume(tmp_path):
     out = tmp_path / "r.jsonl"
     out.write_text("precious\n")
@@ -62,6 +66,7 @@ def test_receipts_writer_create_only_and_resume(tmp_path):
         ReceiptsWriter(tmp_path / "missing.jsonl", resume=True)
 
 
+@pytest.mark.fault("disk", "ENOSPC half-way through a receipt line")
 def test_disk_full_keeps_every_other_receipt_and_names_the_lost_ones(tmp_path, monkeypatch, capsys):
     out = tmp_path / "r.jsonl"
     w = ReceiptsWriter(out)
@@ -91,6 +96,7 @@ def test_disk_full_keeps_every_other_receipt_and_names_the_lost_ones(tmp_path, m
     assert [p.name for p in tmp_path.iterdir()] == ["r.jsonl"]  # no temp files
 
 
+@pytest.mark.fault("generate", "torn last receipts line")
 def test_read_receipts_last_wins_and_torn_tail(tmp_path):
     f = tmp_path / "r.jsonl"
     f.write_text('{"index": 0, "state": "failed"}\n{"index": 1, "state": "ready"}\n{"index": 0, "state": "ready"}\n'
@@ -99,6 +105,7 @@ def test_read_receipts_last_wins_and_torn_tail(tmp_path):
     assert {i: r["state"] for i, r in got.items()} == {0: "ready", 1: "ready"}
 
 
+@pytest.mark.fault("generate", "receipts line nested past the recursion limit")
 def test_read_receipts_line_nested_too_deeply(tmp_path):
     """A damaged receipts line nested past the recursion limit is a RequestSpecError naming the line (was an
     unexpected RecursionError); as the last line it is a torn tail, ignored."""
@@ -131,6 +138,7 @@ def _receipts(path):
 
 
 @pytest.mark.engine
+@pytest.mark.fault("generate", "SIGINT mid-run, then --resume")
 def test_sigint_drains_writes_every_receipt_and_resume_completes(qwen_model, tmp_path):
     cfg = _cfg(tmp_path)
     prompts = tmp_path / "p.jsonl"
@@ -186,6 +194,7 @@ def test_sigint_drains_writes_every_receipt_and_resume_completes(qwen_model, tmp
 
 
 @pytest.mark.engine
+@pytest.mark.fault("generate", "SIGTERM during engine start-up")
 def test_sigterm_during_engine_startup_is_prompt(qwen_model, tmp_path):
     import psutil
 
@@ -213,6 +222,7 @@ def test_sigterm_during_engine_startup_is_prompt(qwen_model, tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.fault("serve", "SIGTERM during serve start-up")
 def test_serve_sigterm_during_engine_startup_is_prompt(qwen_model, tmp_path):
     import psutil
 

@@ -35,6 +35,7 @@ from genartifact.spec import parse_request
         ({"prompt": "x", "n": True}, "n=true invalid"),
     ],
 )
+@pytest.mark.fault("generate", "prompt row field violations")
 def test_prompt_rows_are_strict(tmp_path, row, match):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps(row) + "\n")
@@ -42,6 +43,7 @@ def test_prompt_rows_are_strict(tmp_path, row, match):
         read_prompts(f)
 
 
+@pytest.mark.fault("generate", "NaN and non-UTF-8 prompt files")
 def test_nan_and_non_utf8_prompt_files(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "x", "temperature": NaN}\n')
@@ -83,6 +85,7 @@ def test_spec_normalizes_and_rejects_names():
                        "delivery": {"mode": "object_store", "target": {"kind": "k"}}}, n=1.0)
 
 
+@pytest.mark.fault("generate", "invalid rows before the engine")
 def test_invalid_rows_are_rejected_without_starting_the_engine(tmp_path):
     cfg = config_mod.parse(config_mod.DEFAULT_TOML, source="d", base_dir=tmp_path)
     rows = [{"prompt": "a", "contents": ["moe_route"]},
@@ -124,6 +127,7 @@ def _generate(tmp_path, *extra, prompts='{"prompt": "x"}\n'):
     return main(["generate", "--model", str(tmp_path / "m"), "--prompts", str(p), *extra])
 
 
+@pytest.mark.fault("generate", "bad generate arguments")
 def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cases = [
@@ -151,6 +155,7 @@ def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
     assert "GENARTIFACT_PIPELINE_CONCURRENCY" in capsys.readouterr().err
 
 
+@pytest.mark.fault("generate", "unknown target table in the config")
 def test_unknown_target_table_is_an_error(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "c.toml"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from genartifact.cli import main
 from genartifact.journal import DeliveryJournal
 
@@ -39,6 +40,7 @@ CRASHER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.fault("journal", "crash after upload, before the outcome")
 def test_crash_leaves_orphan_that_reconcile_lists_and_deletes(tmp_path, capsys):
     root, journal = tmp_path / "store", tmp_path / "journal.jsonl"
     proc = subprocess.run([sys.executable, "-c", CRASHER, str(root), str(journal)], capture_output=True, text=True)
@@ -63,6 +65,7 @@ def test_crash_leaves_orphan_that_reconcile_lists_and_deletes(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["deliveries"] == []
 
 
+@pytest.mark.fault("journal", "foreign bytes at a journaled key")
 def test_foreign_object_is_never_deleted(tmp_path, capsys):
     root, jpath = tmp_path / "store", tmp_path / "j.jsonl"
     (root / "runs").mkdir(parents=True)
@@ -83,6 +86,7 @@ def test_foreign_object_is_never_deleted(tmp_path, capsys):
     assert (root / "runs/x.gart").read_bytes() == b"someone else's bytes"
 
 
+@pytest.mark.fault("journal", "torn last journal line")
 def test_journal_never_holds_secrets_and_survives_torn_last_line(tmp_path):
     j = DeliveryJournal(tmp_path / "j.jsonl")
     j.intent(kind="presigned_http_put", object_id="caller-id", ref={"host": "bucket.example.com"}, sha256="a" * 64,
@@ -116,6 +120,7 @@ def _reconcile(capsys, cfg, *extra):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.fault("journal", "duplicate request with the same object key")
 def test_duplicate_request_never_deletes_the_first_ready_object(tmp_path, capsys):
     """Issue 10 case 1: two identical requests -> first ready, second object_exists; reconcile --delete must
     keep the first request's object (identical bytes)."""
@@ -139,6 +144,7 @@ def test_duplicate_request_never_deletes_the_first_ready_object(tmp_path, capsys
     assert _reconcile(capsys, cfg)["deliveries"] == []  # verdict journaled
 
 
+@pytest.mark.fault("journal", "re-run with the same run id")
 def test_rerun_with_same_run_id_keeps_earlier_runs_objects(tmp_path, capsys):
     """A re-run journal (earlier run ready, re-run failed with timeout = ambiguous) plus a ready receipt file
     from a run whose journal was lost: nothing vouched for is an orphan."""
@@ -163,6 +169,7 @@ def test_rerun_with_same_run_id_keeps_earlier_runs_objects(tmp_path, capsys):
     assert all((root / f"runs/r/{i:04d}.gart").exists() for i in range(3))
 
 
+@pytest.mark.fault("journal", "upload still in flight during reconcile")
 def test_age_guard_keeps_in_flight_upload(tmp_path, capsys):
     root, jpath = tmp_path / "store", tmp_path / "j.jsonl"
     j = DeliveryJournal(jpath)
@@ -192,6 +199,7 @@ def test_outcome_for_every_intent_and_ambiguous_codes(tmp_path):
     assert {"object_exists", "expired"} <= NOT_STORED_CODES and crashed
 
 
+@pytest.mark.fault("journal", "crash temp files seen by reconcile")
 def test_reconcile_reports_and_removes_crash_temp_files(tmp_path, capsys):
     import os
 
@@ -208,6 +216,7 @@ def test_reconcile_reports_and_removes_crash_temp_files(tmp_path, capsys):
     assert [x["status"] for x in out["leftovers"]] == ["removed"] and not tmp.exists()
 
 
+@pytest.mark.fault("journal", "presigned delivery that cannot be read back")
 def test_presigned_deliveries_are_unverifiable_not_deleted(tmp_path, capsys):
     jpath = tmp_path / "j.jsonl"
     j = DeliveryJournal(jpath)
@@ -219,6 +228,7 @@ def test_presigned_deliveries_are_unverifiable_not_deleted(tmp_path, capsys):
     assert [r["status"] for r in out] == ["unverifiable"]
 
 
+@pytest.mark.fault("journal", "malformed journal lines")
 def test_journal_line_rules(tmp_path):
     """A malformed line that is not the last is an error naming it; unknown events are ignored; the file is
     private (0600); only ready receipts with an id and a digest vouch."""

@@ -226,6 +226,7 @@ def test_route_weights_through_the_artifact_field(server):
          "oov", "oov-huge", "echo", "logprobs", "n-bool", "long-text", "n17", "stream-options", "penalty",
          "empty-stop"],
 )
+@pytest.mark.fault("serve", "bad request bodies")
 def test_bad_requests_are_4xx_without_engine_work(server, body, status, match):
     before = metrics(server)["genartifact_engine_requests_total"]
     r = httpx.post(f"{server['base']}/v1/completions", json=body, timeout=30)
@@ -233,6 +234,7 @@ def test_bad_requests_are_4xx_without_engine_work(server, body, status, match):
     assert metrics(server)["genartifact_engine_requests_total"] == before
 
 
+@pytest.mark.fault("serve", "hostile request bodies")
 def test_hostile_bodies_are_4xx_and_the_engine_survives(server):
     base = server["base"]
     before = metrics(server)["genartifact_engine_requests_total"]
@@ -264,6 +266,7 @@ def test_error_param_names_the_field(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.json())
 
 
+@pytest.mark.fault("serve", "delivery failure during a completion")
 def test_delivery_failure_never_fails_the_completion(server):
     a = artifact()
     httpx.post(f"{server['base']}/v1/completions", json={"prompt": "x", "max_tokens": 2, "generation_artifact": a},
@@ -274,6 +277,7 @@ def test_delivery_failure_never_fails_the_completion(server):
     assert r.json()["generation_artifact"]["error_code"] == "object_exists"
 
 
+@pytest.mark.fault("serve", "client disconnect mid-stream")
 def test_client_disconnect_mid_stream_leaks_nothing(server):
     async def go():
         async with httpx.AsyncClient(base_url=server["base"], timeout=30) as c:
@@ -289,6 +293,7 @@ def test_client_disconnect_mid_stream_leaks_nothing(server):
     assert m["genartifact_inflight_requests"] == 0 and m["genartifact_pipeline_slots_in_use"] == 0
 
 
+@pytest.mark.fault("serve", "client disconnect, non-streaming")
 def test_client_disconnect_non_streaming_aborts_and_stores_nothing(server):
     """Issue 10 case 4: a non-streaming client that hangs up mid-generation aborts its request (same rules as
     streaming): nothing is stored at its key, no slot or capture is held."""
@@ -343,6 +348,7 @@ def test_32_concurrent_streaming_clients(server):
     assert rss1 - rss0 < 300e6
 
 
+@pytest.mark.fault("serve", "SIGTERM while serving")
 def test_sigterm_drains_and_exits(server):
     proc = server["proc"]
     proc.send_signal(signal.SIGTERM)

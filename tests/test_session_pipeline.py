@@ -68,6 +68,15 @@ def lp(tokens, value=-0.5):
     return [{t: value, t + 1: -9.0} for t in tokens]
 
 
+async def fails_storing_nothing(s, engine=None):
+    """Fault tests: the request's receipt is failed/capture_invalid and nothing was stored at its key."""
+    r = await s.finalize(engine)
+    assert r["state"] == "failed" and r["error_code"] == "capture_invalid", r
+    t = s.request.target
+    assert not mem_exists(f"{t['profile']}:{t['object_key']}")
+    return r
+
+
 def mem_exists(object_id):
     profile, key = object_id.split(":", 1)
     root = SETTINGS["managed_fsspec"]["profiles"][profile]["url"]
@@ -109,6 +118,26 @@ async def test_routes_via_worker_path_with_start(host):
     assert art.routes().shape == (4, 4, 2)
     assert np.array_equal(art.routes(), full[:, 2:].transpose(1, 0, 2))
     assert art.manifest["sections"]["moe_routes"]["token_start"] == 2
+    assert art.manifest["sections"]["moe_routes"]["requested_token_start"] == 2  # requested = effective
+
+
+@pytest.mark.fault("reader", "requested_token_start below token_start or not an integer")
+def test_routes_requested_start_is_optional_and_never_below_the_effective_one():
+    """requested_token_start (v1 addition): absent in older objects (accepted), an integer >= token_start when
+    present (a producer may only clamp down); anything else is an ArtifactFormatError naming the field."""
+    from genartifact.errors import ArtifactFormatError
+    from genartifact_route_capture import READER
+
+    man = {"prompt_token_count": 4, "completion_token_count": 3}
+    base = {"token_start": 2, "router_ids": [0, 1], "expert_counts": [8, 8], "top_k": 2, "layout": "router_major"}
+    ids = {"moe_routes.expert_ids": np.zeros((2, 4, 2), np.uint8)}
+    READER.validate(man, base, ids)  # an object written before the field existed
+    for ok in (2, 3, 10**6):
+        READER.validate(man, {**base, "requested_token_start": ok}, ids)
+    for bad in (1, 0, -1, "2", 2.0, True, None):
+        with pytest.raises(ArtifactFormatError, match="requested_token_start"):
+            READER.validate(man, {**base, "requested_token_start": bad}, ids)
+    assert READER.summary(man, {**base, "requested_token_start": 3}, ids)["requested_token_start"] == 3
 
 
 async def test_native_routes_drop_dense_layers_and_narrow_dtype(host):
@@ -146,6 +175,7 @@ async def test_native_routes_drop_dense_layers_and_narrow_dtype(host):
     ],
     ids=["format", "codec", "empty", "dup", "non-str", "extra", "mode", "target", "missing"],
 )
+@pytest.mark.fault("admission", "artifact spec violations")
 def test_spec_rejects(mutate, match):
     s = spec()
     mutate(s)
@@ -163,6 +193,7 @@ def test_unknown_content_fails_fast_with_suggestion(host):
         session(host, spec(["moe_route"]))
 
 
+@pytest.mark.fault("admission", "unknown target kind")
 def test_unknown_target_kind(host):
     s = spec()
     s["delivery"]["target"] = {"kind": "ftp_upload"}
@@ -187,6 +218,7 @@ def test_unknown_target_kind(host):
     ],
     ids=["profile", "dotdot", "absolute", "backslash", "prefix", "empty-seg", "long", "extra"],
 )
+@pytest.mark.fault("admission", "invalid managed target")
 def test_target_validation_is_specific_and_side_effect_free(host, target, match):
     s = spec(profile=target.pop("profile", "mem"), key=target.pop("key", None), **target)
     sess = session(host, s)
@@ -196,6 +228,7 @@ def test_target_validation_is_specific_and_side_effect_free(host, target, match)
     assert sorted(fsspec.filesystem("memory").find("/")) == before
 
 
+@pytest.mark.fault("admission", "worst case over the decoded limit")
 def test_admission_rejects_over_decoded_limit(host, monkeypatch):
     monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "9000")
     with pytest.raises(AdmissionError, match="limit 9000 bytes"):
@@ -210,6 +243,7 @@ def test_decoded_limit_can_only_be_lowered(host, monkeypatch):
         session(host).admit(3, 4)
 
 
+@pytest.mark.fault("admission", "worst case over the target's max_bytes")
 def test_admission_rejects_over_target_max_bytes(host):
     with pytest.raises(AdmissionError, match="target max_bytes is 2000"):
         session(host, spec(profile="tiny")).admit(10, 10)
@@ -226,17 +260,20 @@ def test_admission_worst_case_routes_large_model(host):
 
 
 @pytest.mark.parametrize("start", [-1, True, 1.5, 4, 10**6, 2**63])
+@pytest.mark.fault("admission", "routed_experts_prompt_start out of range")
 def test_invalid_routes_start(host, start):
     with pytest.raises(AdmissionError, match="routed_experts_prompt_start"):
         session(host, spec(["moe_routes"])).admit(3, 4, routes_start=start)
 
 
+@pytest.mark.fault("admission", "moe_routes without a route source")
 def test_moe_routes_without_route_source_names_the_setting(host):
     model = ModelInfo("x", QWEN, engine_options={})
     with pytest.raises(AdmissionError, match="enable_return_routed_experts.*vllm.general_plugins"):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
 
+@pytest.mark.fault("admission", "prefix caching with worker route capture")
 def test_moe_routes_refuses_prefix_caching_on_worker_path(host):
     model = ModelInfo("x", QWEN, engine_options={"worker_captures": ["moe_routes"], "enable_prefix_caching": True})
     with pytest.raises(AdmissionError, match="enable_prefix_caching=False"):
@@ -262,6 +299,7 @@ def test_router_layout_metadata_rejected(host, cfg, match):
         session(host, spec(["moe_routes"]), model=model).admit(3, 4)
 
 
+@pytest.mark.fault("encoder", "prompt change / completion past max_tokens")
 async def test_capture_rejects_prompt_change_and_overlong_completion(host):
     from genartifact.errors import CaptureError
 
@@ -275,9 +313,12 @@ async def test_capture_rejects_prompt_change_and_overlong_completion(host):
         s.record(Delta([1, 2, 3, 4], [6], lp([6])))
     with pytest.raises(CaptureError, match="admitted max_tokens 2"):
         s.record(Delta([1, 2, 3], [6, 7], lp([6, 7])))
+    s.record_or_fail(Delta([1, 2, 3], [6, 7], lp([6, 7]), finished=True))
+    await fails_storing_nothing(s)
 
 
-def test_sampled_token_missing_from_engine_logprobs(host):
+@pytest.mark.fault("encoder", "sampled token missing from engine logprobs")
+async def test_sampled_token_missing_from_engine_logprobs(host):
     from genartifact.errors import CaptureError
 
     s = session(host)
@@ -285,6 +326,9 @@ def test_sampled_token_missing_from_engine_logprobs(host):
     s.record(Delta([1], [7], [{99: -0.1, 7: -2.0}]))
     with pytest.raises(CaptureError, match="sampled token 8 missing"):
         s.record(Delta([1], [8], [{99: -0.1, 7: -2.0}]))
+    s.record_or_fail(Delta([1], [8], [{99: -0.1, 7: -2.0}], finished=True))
+    await fails_storing_nothing(s)
+    assert s._producers[0].retained_bytes() == 0  # captured values dropped at the failure
 
 
 async def test_logprob_lookup_values(host):
@@ -297,6 +341,7 @@ async def test_logprob_lookup_values(host):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.fault("encoder", "non-finite engine logprob")
 async def test_non_finite_engine_logprob_rejected(host, value):
     from genartifact.errors import CaptureError
 
@@ -304,8 +349,11 @@ async def test_non_finite_engine_logprob_rejected(host, value):
     s.admit(1, 2)
     with pytest.raises(CaptureError, match="allowed finite or -inf"):
         s.record(Delta([1], [7], [{7: value}]))
+    s.record_or_fail(Delta([1], [7], [{7: value}], finished=True))
+    await fails_storing_nothing(s)
 
 
+@pytest.mark.fault("encoder", "worker route rows missing")
 async def test_missing_worker_rows_fail_receipt_and_store_nothing(host):
     s = session(host, spec(["moe_routes"]))
     s.admit(4, 3)
@@ -319,15 +367,16 @@ async def test_missing_worker_rows_fail_receipt_and_store_nothing(host):
     assert not mem_exists(f"mem:{key}")
 
 
+@pytest.mark.fault("encoder", "worker expert id out of range")
 async def test_out_of_range_worker_expert_id_fails(host):
     s = session(host, spec(["moe_routes"]))
     s.admit(2, 1)
     s.sampling_overrides({})
     s.record(Delta([1, 2], [3], None, finished=True))
-    r = await s.finalize(FakeEngine(np.full((4, 2, 2), 8, np.uint8)))
-    assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+    await fails_storing_nothing(s, FakeEngine(np.full((4, 2, 2), 8, np.uint8)))
 
 
+@pytest.mark.fault("managed", "second request to the same key")
 async def test_second_write_to_same_key_fails_and_keeps_first(host):
     key = f"runs/{uuid.uuid4().hex}.gart"
     receipts = []
@@ -340,6 +389,71 @@ async def test_second_write_to_same_key_fails_and_keeps_first(host):
     assert receipts[1]["state"] == "failed" and receipts[1]["error_code"] == "object_exists"
     data = fsspec.open(f"memory://ga-test/{key}", "rb").open().read()
     assert fmt.decode(data).selected_logprobs().tolist() == [-0.5]
+
+
+@pytest.mark.fault("generate", "resume meets existing objects (same/other/larger bytes)")
+async def test_resume_recognises_an_existing_object_with_the_same_bytes(host, tmp_path):
+    """generate --resume without a journal (recover_existing): an object_exists whose stored bytes are exactly
+    this run's encoding is ready ("recovered": "rerun_match", journaled as ready); different or larger bytes stay
+    object_exists and are never touched; outside a resume a duplicate always fails with object_exists."""
+    from genartifact.journal import DeliveryJournal
+
+    j = DeliveryJournal(tmp_path / "j.jsonl")
+    key = f"runs/{uuid.uuid4().hex}.gart"
+    opened = []
+
+    async def run(recover, value=-0.5, max_tokens=3):
+        s = ArtifactSession.for_request(host, parse_request(spec(key=key)), MODEL, SETTINGS, j)
+        s.recover_existing = recover
+        real_open = s._target.open
+
+        async def spy(object_id, max_bytes):
+            opened.append(max_bytes)
+            return await real_open(object_id, max_bytes)
+
+        s._target.open = spy
+        s.admit(2, max_tokens)
+        s.record(Delta([1, 2], [3, 4, 5][:max_tokens], lp([3, 4, 5][:max_tokens], value), finished=True))
+        return await s.finalize()
+
+    first = await run(False)
+    assert first["state"] == "ready" and "recovered" not in first
+    dup = await run(False)  # not a resume: a duplicate fails, the store is not even read
+    assert dup["state"] == "failed" and dup["error_code"] == "object_exists" and opened == []
+    same = await run(True)
+    assert same["state"] == "ready" and same["recovered"] == "rerun_match"
+    assert {k: same[k] for k in first} == first  # same object id, SHA-256 and byte count
+    assert opened == [first["byte_count"]]  # read back bounded by this run's byte count
+    other = await run(True, value=-0.25)  # same length, other bytes
+    assert other["state"] == "failed" and other["error_code"] == "object_exists"
+    shorter = await run(True, max_tokens=1)  # the stored object is larger than this run's: refused by size
+    assert shorter["state"] == "failed" and shorter["error_code"] == "object_exists"
+    assert opened[-1] < first["byte_count"]
+    data = fsspec.open(f"memory://ga-test/{key}", "rb").open().read()
+    import hashlib
+
+    assert hashlib.sha256(data).hexdigest() == first["sha256"]  # the stored object was never replaced
+    assert [(d["last_state"], d["last_code"]) for d in j.deliveries()] == [
+        ("ready", None), ("failed", "object_exists"), ("ready", None), ("failed", "object_exists"),
+        ("failed", "object_exists")]
+
+
+@pytest.mark.fault("generate", "resume with a target that cannot read back")
+async def test_resume_recovery_without_read_back_keeps_object_exists(host):
+    """A target that cannot read back (no open(), as presigned grants) recovers nothing: object_exists."""
+    key = f"runs/{uuid.uuid4().hex}.gart"
+    for recover in (False, True):
+        s = session(host, spec(key=key))
+        s.recover_existing = recover
+        if recover:
+            async def no_read_back(object_id, max_bytes):
+                raise TargetError("cannot read objects back")
+
+            s._target.open = no_read_back
+        s.admit(2, 1)
+        s.record(Delta([1, 2], [3], lp([3]), finished=True))
+        r = await s.finalize()
+    assert r["state"] == "failed" and r["error_code"] == "object_exists"
 
 
 def test_release_clears_everything(host):
@@ -437,6 +551,7 @@ class FakeLogprobWorker:
      (None, "failed")],
     ids=["aligned", "positions", "token-mismatch", "nan", "missing"],
 )
+@pytest.mark.fault("encoder", "worker logprob samples misaligned")
 async def test_worker_logprob_source_aligns_by_position_and_token(host, monkeypatch, reply, state):
     monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "worker")
     s = session(host)
@@ -454,11 +569,13 @@ async def test_worker_logprob_source_aligns_by_position_and_token(host, monkeypa
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.fault("admission", "non-finite sampling value")
 def test_non_finite_sampling_values_are_refused_by_name(host, bad):
     with pytest.raises(AdmissionError, match="sampling temperature="):
         session(host, spec()).admit(3, 4, sampling={"temperature": bad})
 
 
+@pytest.mark.fault("encoder", "non-JSON header values")
 def test_encoder_raises_format_error_for_non_json_values():
     from genartifact import format as fmt
     from genartifact.errors import ArtifactFormatError
@@ -478,6 +595,7 @@ def test_admission_counts_token_bytes(host, monkeypatch):
     session(host, spec(["selected_logprobs"])).admit(500, 1)  # 2 KB of tokens fits
 
 
+@pytest.mark.fault("encoder", "route row count mismatch")
 async def test_route_row_count_mismatch_is_capture_invalid(host):
     """Native routes with one row fewer than prompt + completion - 1: the producer's row-count check refuses
     it (capture_invalid, nothing stored), not the encoder."""
@@ -494,8 +612,7 @@ async def test_route_row_count_mismatch_is_capture_invalid(host):
     producer = s._producers[0]
     with pytest.raises(CaptureError, match="3 rows captured; expected prompt \\+ completion - 1 - start = 4"):
         producer.finalize(FinalContext(3, 2))
-    r = await s.finalize()
-    assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+    await fails_storing_nothing(s)
 
 
 def test_worst_case_formula_is_exact(host):
@@ -512,6 +629,7 @@ def test_worst_case_formula_is_exact(host):
 
 @pytest.mark.parametrize("prompt, max_tokens, field", [(-1, 4, "prompt_token_count"), (3, 0, "max_tokens"),
                                                        (True, 4, "prompt_token_count"), (3, 2.0, "max_tokens")])
+@pytest.mark.fault("admission", "bad token counts")
 def test_admission_token_counts_are_checked_by_name(host, prompt, max_tokens, field):
     with pytest.raises(AdmissionError, match=field):
         session(host, spec()).admit(prompt, max_tokens)
@@ -530,6 +648,7 @@ async def test_every_delivery_journals_an_outcome(host, tmp_path):
     assert [(d["last_state"], d["last_code"]) for d in j.deliveries()] == [("ready", None), ("failed", "object_exists")]
 
 
+@pytest.mark.fault("encoder", "producer retaining over its budget")
 def test_retained_bytes_over_budget_fail_the_capture(host, monkeypatch):
     """The budget backstop: a producer retaining more than admitted fails the capture (capture_invalid) at the
     delta that crosses it, one byte over is enough."""
@@ -564,3 +683,192 @@ async def test_aclose_discards_unfetched_worker_rows_and_exposes_completion(host
     eng = FakeEngine(None)
     await s.aclose(eng)  # the request ended without finalize (cancelled): its worker rows must be dropped
     assert [m for m, _ in eng.calls] == ["moe_routes.discard"]
+
+
+# ---------------------------------------------------------------- route and logprob finalize (mutation survivors)
+
+
+def test_route_admission_bytes_are_exact_with_a_start(host):
+    """moe_routes worst case: rows (P + max_tokens - 1 - start) x routers x top_k x itemsize + 32 per router +
+    256 (QWEN: 4 routers, top-2, u8)."""
+    from genartifact.types import AdmissionContext
+    from genartifact_route_capture import MoeRoutes
+
+    p = MoeRoutes(MODEL)
+    assert p.admit(AdmissionContext(10, 5, 3, MODEL, {})) == (10 + 5 - 1 - 3) * 4 * 2 * 1 + 32 * 4 + 256
+    assert p._max_rows == 11
+    assert MoeRoutes(MODEL).admit(AdmissionContext(4, 1, 4, MODEL, {})) == 0 + 32 * 4 + 256  # no rows at all
+
+
+@pytest.mark.fault("encoder", "native routes: ids far out of range, bad layer axis")
+async def test_native_routes_refuse_ids_far_out_of_range_and_bad_layer_axis(host):
+    from genartifact.errors import CaptureError
+
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "first_k_dense_replace": 1}
+    model = ModelInfo("ds", cfg, engine_options={"native_routed_experts": True})
+    for bad, match in ((np.full((4, 3, 2), 200, np.int64), "expert id out of range 0..7"),
+                       (np.full((4, 3, 2), -1, np.int64), "expert id out of range 0..7"),
+                       (np.zeros((4, 5, 2), np.int64), "engine layer axis 5 matches neither num_hidden_layers 3")):
+        s = session(host, spec(["moe_routes"]), model=model)
+        s.admit(3, 2)
+        s.record(Delta([1, 2, 3], [4], None))
+        with pytest.raises(CaptureError, match=match):
+            s._producers[0].on_delta(Delta([1, 2, 3], [5], None, routed_experts=bad, finished=True))
+        s.record_or_fail(Delta([1, 2, 3], [5], None, routed_experts=bad, finished=True))
+        r = await s.finalize()
+        assert r["state"] == "failed" and r["error_code"] == "capture_invalid"
+
+
+def _routes_section(**kw):
+    return {"token_start": 0, "router_ids": [0, 1], "expert_counts": [8, 8], "top_k": 2, "layout": "router_major",
+            **kw}
+
+
+@pytest.mark.parametrize("section, ids, match", [
+    (_routes_section(router_ids=(0, 1)), None, "router_ids/expert_counts must list 2 routers"),
+    (_routes_section(expert_counts=(8, 8)), None, "router_ids/expert_counts must list 2 routers"),
+    (_routes_section(router_ids=[1, 0]), None, "unique, ascending"),
+    (_routes_section(router_ids=[0, 0]), None, "unique, ascending"),
+    (_routes_section(router_ids=[-1, 0]), None, "unique, ascending"),
+    (_routes_section(), np.zeros((2, 3, 2), np.uint16), "dtype must be u8"),
+    (_routes_section(expert_counts=[8, 300]), np.zeros((2, 3, 2), np.uint8), "dtype must be u16"),
+    (_routes_section(token_start=5), np.zeros((2, 0, 2), np.uint8), "token_start 5 out of range 0..4"),
+    (_routes_section(router_ids=[], expert_counts=[]), np.zeros((0, 3, 2), np.uint8), "must list 0 routers"),
+    (_routes_section(top_k=2.0), None, "top_k 2.0 != tensor top_k 2"),
+    (_routes_section(top_k=3), None, "top_k 3 != tensor top_k 2"),
+    (_routes_section(top_k=True), np.zeros((2, 3, 1), np.uint8), "top_k True != tensor top_k 1"),
+])
+@pytest.mark.fault("reader", "moe_routes section/tensor violations")
+def test_routes_reader_refuses(section, ids, match):
+    from genartifact.errors import ArtifactFormatError
+    from genartifact_route_capture import READER
+
+    man = {"prompt_token_count": 4, "completion_token_count": 0}
+    ids = np.zeros((2, 3, 2), np.uint8) if ids is None else ids
+    with pytest.raises(ArtifactFormatError, match=match):
+        READER.validate(man, section, {"moe_routes.expert_ids": ids})
+
+
+def test_routes_reader_accepts_the_edges():
+    """token_start == P (no prompt rows; with C = 1 no rows at all), one router, ids up to count - 1."""
+    from genartifact_route_capture import READER
+
+    READER.validate({"prompt_token_count": 4, "completion_token_count": 1}, _routes_section(token_start=4),
+                    {"moe_routes.expert_ids": np.zeros((2, 0, 2), np.uint8)})
+    READER.validate({"prompt_token_count": 4, "completion_token_count": 2}, _routes_section(
+        router_ids=[3], expert_counts=[8], token_start=4), {"moe_routes.expert_ids": np.full((1, 1, 2), 7, np.uint8)})
+
+
+def test_prefix_caching_turned_off_with_a_warning_when_on_or_left_to_default():
+    import genartifact_route_capture as rc
+    from structlog.testing import capture_logs
+
+    for given in (True, None):
+        opts = {} if given is None else {"enable_prefix_caching": given}
+        with capture_logs() as logs:
+            rc.genartifact_engine_options(opts, worker_capture=True)
+        assert opts["enable_prefix_caching"] is False
+        assert [e["event"] for e in logs] == ["prefix_caching_disabled"] and logs[0]["option"] == "enable_prefix_caching"
+    opts = {"enable_prefix_caching": False}
+    with capture_logs() as logs:
+        rc.genartifact_engine_options(opts, worker_capture=True)
+    assert logs == [] and opts == {"enable_prefix_caching": False}
+    for opts, wc in (({"enable_prefix_caching": True, "enable_return_routed_experts": True}, True),
+                     ({"enable_prefix_caching": True}, False)):  # native routes, or no worker capture: untouched
+        rc.genartifact_engine_options(opts, worker_capture=wc)
+        assert opts["enable_prefix_caching"] is True
+
+
+def test_logprob_admission_bytes_are_exact():
+    from genartifact.types import AdmissionContext
+    from genartifact_logprobs import SelectedLogprobs
+
+    for m in (1, 32, 100):  # 32: 4 * 32 = 128 shares bit 7 with the constant
+        assert SelectedLogprobs().admit(AdmissionContext(3, m, 0, MODEL, {})) == 4 * m + 128
+
+
+async def test_worker_logprobs_fetched_once_discard_after_fetch_is_a_no_op(host, monkeypatch):
+    """collect pops the worker's samples: a later discard sends nothing; a request that never reached collect
+    discards exactly once; an engine-source producer never calls the worker."""
+    from genartifact.errors import CaptureError
+    from genartifact.types import FinalContext
+
+    monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "worker")
+    s = session(host)
+    s.admit(2, 2)
+    s.sampling_overrides({})
+    s.record(Delta([1, 2], [7, 8], None, finished=True))
+    eng = FakeLogprobWorker({"positions": [2, 3], "token_ids": [7, 8], "logprobs": [-0.5, -1.0]})
+    assert (await s.finalize(eng))["state"] == "ready"
+    await s.aclose(eng)
+    assert eng.calls == ["selected_logprobs.fetch"]
+    s = session(host)  # cancelled before collect: one discard, idempotent
+    s.admit(2, 2)
+    s.sampling_overrides({})
+    eng = FakeLogprobWorker(None)
+    p = s._producers[0]
+    await p.discard(eng)
+    await p.discard(eng)
+    assert eng.calls == ["selected_logprobs.discard"]
+    await p.discard(None)  # no engine: nothing to call
+    monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "engine")
+    s = session(host)
+    s.admit(2, 2)
+    s.sampling_overrides({})
+    eng = FakeLogprobWorker(None)
+    await s._producers[0].discard(eng)
+    assert eng.calls == []
+    # the misaligned-positions message names the expected range P..P+C-1
+    monkeypatch.setenv("GENARTIFACT_LOGPROBS_SOURCE", "worker")
+    s = session(host)
+    s.admit(2, 3)
+    s.sampling_overrides({})
+    p = s._producers[0]
+    with pytest.raises(CaptureError, match=r"expected 2\.\.4$"):
+        await p.collect(FinalContext(2, 3, FakeLogprobWorker(
+            {"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-0.5, -1.0, -2.0]}), [7, 8, 9]))
+
+
+@pytest.mark.parametrize("values, section, match", [
+    ([float("nan"), float("inf")], {"token_start": 300}, r"selected_logprobs\[0\] is nan"),  # the first one named
+    (np.asarray([-0.5, -0.25], np.float64), {"token_start": 300}, r"f32 \[2\]"),
+    ([-0.5, float("inf")], {"token_start": 300}, r"selected_logprobs\[1\] is inf"),
+    ([float("inf"), -0.5], {"token_start": 300}, r"selected_logprobs\[0\] is inf"),
+    ([-0.5, -0.25, float("nan")], {"token_start": 300}, r"selected_logprobs\[2\] is nan"),
+    ([-0.5, -0.25], {"token_start": 299}, "token_start"),
+    ([-0.5, -0.25], {"token_start": 300, "k": 1}, "token_start"),
+    ([-0.5, -0.25, -1.0], {"token_start": 300}, r"f32 \[2\]"),
+    ([-0.5], {"token_start": 300}, r"f32 \[2\]"),
+])
+@pytest.mark.fault("reader", "selected_logprobs section/tensor violations")
+def test_logprobs_reader_refuses(values, section, match):
+    from genartifact.errors import ArtifactFormatError
+    from genartifact_logprobs import READER
+
+    man = {"prompt_token_count": 300, "completion_token_count": 2 if len(values) != 3 or "nan" not in match else 3}
+    with pytest.raises(ArtifactFormatError, match=match):
+        arr = values if isinstance(values, np.ndarray) else np.asarray(values, np.float32)
+        READER.validate(man, section, {"selected_logprobs.logprobs": arr})
+
+
+def test_logprobs_reader_accepts_minus_inf_positive_finite_and_large_prompts():
+    from genartifact_logprobs import READER
+
+    p = int("1" + "000")  # a prompt length that is not a cached small int (identity is not equality)
+    READER.validate({"prompt_token_count": p, "completion_token_count": 3}, {"token_start": int(str(p))},
+                    {"selected_logprobs.logprobs": np.asarray([-np.inf, 0.0, 1e-7], np.float32)})
+
+
+def test_logprobs_worker_capture_only_for_raw_logprobs(monkeypatch):
+    import types
+
+    import genartifact_logprobs as gl
+    import genartifact_logprobs.worker as glw
+
+    monkeypatch.setattr(glw, "LogprobCapture", lambda worker: ("capture", worker))
+    for mode, served in (("".join(["raw_", "logprobs"]), True), ("processed_logprobs", False), ("raw_logits", False)):
+        worker = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            model_config=types.SimpleNamespace(logprobs_mode=mode)))
+        got = gl.genartifact_worker_capture(worker=worker, settings={})
+        assert (got == ("capture", worker)) is served, mode

@@ -62,6 +62,7 @@ def session(host, s3, target, journal=None):
     return s
 
 
+@pytest.mark.fault("presigned", "second presigned PUT to a SeaweedFS key")
 async def test_presigned_put_to_s3_and_create_only(host, s3_server, tmp_path):
     key = f"presigned/{uuid.uuid4().hex}.gart"
     journal = DeliveryJournal(tmp_path / "j.jsonl")
@@ -80,6 +81,7 @@ async def test_presigned_put_to_s3_and_create_only(host, s3_server, tmp_path):
     assert journal.unresolved() == []  # 412: the store kept nothing of the second delivery
 
 
+@pytest.mark.fault("presigned", "SeaweedFS 403s: tampered signature, expired URL")
 async def test_real_store_403s_are_classified_by_body(host, s3_server):
     """SeaweedFS checks SigV4: a tampered signature, a signed header sent with another value, and an expired URL
     each give 403; the receipt says which (only the expired one is ``expired``). Nothing is stored."""
@@ -102,6 +104,7 @@ async def test_real_store_403s_are_classified_by_body(host, s3_server):
         assert "Contents" not in s3_server["client"].list_objects_v2(Bucket="ga-test", Prefix=k)
 
 
+@pytest.mark.fault("presigned", "grant missing a signed header (SeaweedFS)")
 def test_grant_missing_a_signed_header_is_refused_before_inference(host, s3_server):
     from genartifact.errors import TargetError
 
@@ -111,6 +114,7 @@ def test_grant_missing_a_signed_header_is_refused_before_inference(host, s3_serv
         session(host, s3_server, presigned_target(s3_server, key, url=url))
 
 
+@pytest.mark.fault("presigned", "grant expiring after admission (SeaweedFS)")
 async def test_grant_expiring_after_admission_is_never_sent(host, s3_server):
     key = f"presigned/{uuid.uuid4().hex}.gart"
     t = presigned_target(s3_server, key)
@@ -174,11 +178,14 @@ async def test_event_loop_lag_during_64_deliveries(host, s3_server, monkeypatch)
     assert all(r["state"] == "ready" for r in results)
     lags.sort()
     p50, p99 = lags[len(lags) // 2] * 1e3, lags[int(0.99 * (len(lags) - 1))] * 1e3
+    load1, load5, _ = os.getloadavg()  # the host is shared: the lag is only comparable with its load
     print(f"event-loop lag during 64 deliveries ({wall:.2f} s): p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-          f"max {lags[-1] * 1e3:.1f} ms over {len(lags)} probes")
+          f"max {lags[-1] * 1e3:.1f} ms over {len(lags)} probes; load average {load1:.2f} (1 min), "
+          f"{load5:.2f} (5 min), {os.cpu_count()} CPUs")
     assert p99 < 250, f"event loop blocked: p99 lag {p99:.0f} ms"
 
 
+@pytest.mark.fault("s3", "64 deliveries with cancellations")
 async def test_64_concurrent_deliveries_bounded_pipeline_no_leaks(host, s3_server, monkeypatch):
     monkeypatch.setenv("GENARTIFACT_PIPELINE_CONCURRENCY", "4")
     host._pipelines.clear()
@@ -274,3 +281,53 @@ path = "{tmp_path}/journal.jsonl"
     body = s3_server["client"].get_object(Bucket="ga-test", Key=pres)["Body"].read()
     assert hashlib.sha256(body).hexdigest() == receipts[1]["sha256"]
     assert DeliveryJournal(tmp_path / "journal.jsonl").unresolved() == []
+
+
+@pytest.mark.engine
+@pytest.mark.fault("generate", "crash before any receipt, no journal, --resume on SeaweedFS")
+def test_resume_without_journal_recognises_stored_objects_on_s3(s3_server, qwen_model, tmp_path):
+    """generate --resume with no journal and no receipts (a crash before any receipt was written): rows whose
+    object is already on SeaweedFS with exactly the bytes the rerun encodes (temperature 0) are ready
+    ("recovered": "rerun_match"); a row whose rerun encodes other bytes (its temperature changed in between, which
+    the artifact header records) stays object_exists; the stored objects are never replaced."""
+    cfg = tmp_path / "genartifact.toml"
+    cfg.write_text(f"""
+[plugins]
+contents = ["moe_routes", "selected_logprobs"]
+targets = ["managed_fsspec"]
+
+[targets.managed_fsspec.profiles.s3]
+url = "s3://{s3_server['bucket']}/resume"
+allowed_prefixes = ["runs/"]
+storage_options = {json.dumps(s3_server['storage_options']).replace('": ', '" = ').replace('{"', '{ "')}
+""")
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "The quick brown fox.", "max_tokens": 6, "temperature": 0},
+            {"prompt": "Once upon a time", "max_tokens": 9, "temperature": 0},
+            {"prompt": "Numbers such as 1, 2, 3.", "max_tokens": 12, "temperature": 0.5}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "receipts.jsonl"
+    run_id = f"resume-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "AWS_ENDPOINT_URL": s3_server["endpoint"]}
+    cmd = [sys.executable, "-m", "genartifact.cli", "generate", "--config", str(cfg), "--model", str(qwen_model),
+           "--prompts", str(prompts), "--target", "managed_fsspec:s3", "--out", str(out), "--run-id", run_id]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert [before[i]["state"] for i in range(3)] == ["ready"] * 3
+    out.write_text("")  # the crash: every object stored, no receipt written, no journal configured
+    rows[2]["temperature"] = 0  # this row's rerun now encodes other bytes (header sampling.temperature)
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    second = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    after = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(after) == [0, 1, 2], second.stderr[-3000:]
+    for i in (0, 1):
+        assert after[i]["state"] == "ready" and after[i]["recovered"] == "rerun_match", (after[i], second.stderr[-2000:])
+        assert {k: after[i][k] for k in ("object_id", "sha256", "byte_count")} == \
+            {k: before[i][k] for k in ("object_id", "sha256", "byte_count")}
+    assert after[2]["state"] == "failed" and after[2]["error_code"] == "object_exists"
+    assert second.returncode == 1
+    for i in range(3):  # nothing replaced: the bucket holds the first run's bytes
+        key = "resume/" + before[i]["object_id"].split(":", 1)[1]
+        body = s3_server["client"].get_object(Bucket=s3_server["bucket"], Key=key)["Body"].read()
+        assert hashlib.sha256(body).hexdigest() == before[i]["sha256"]

@@ -191,11 +191,13 @@ GOOD = fmt.encode(sample_input()).data
     ids=["empty", "short", "magic", "major", "minor", "codec", "reserved", "truncated", "trailing-byte",
          "extra-frame", "garbage-frame"],
 )
+@pytest.mark.fault("reader", "malformed object bytes")
 def test_reader_rejects_bad_objects(data, match):
     with pytest.raises(ArtifactFormatError, match=match):
         fmt.decode(data)
 
 
+@pytest.mark.fault("reader", "zstd frame without a declared content size")
 def test_reader_rejects_frame_without_declared_size():
     body = _body(GOOD)
     frame = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(body))
@@ -203,6 +205,7 @@ def test_reader_rejects_frame_without_declared_size():
         fmt.decode(GOOD[:16] + frame)
 
 
+@pytest.mark.fault("reader", "declared body size over the limit")
 def test_reader_checks_declared_size_before_allocating():
     # a 1 GiB frame of zeros compresses to a few KiB; the reader must refuse it from the header alone
     cobj = zstandard.ZstdCompressor(level=1, write_content_size=True)
@@ -213,6 +216,7 @@ def test_reader_checks_declared_size_before_allocating():
         fmt.decode(GOOD, max_decoded_bytes=800)  # object fits the bound, declared body (848 B) does not
 
 
+@pytest.mark.fault("reader", "non-canonical manifest JSON")
 def test_reader_rejects_non_canonical_manifest():
     body = _body(GOOD)
     (mlen,) = struct.unpack_from("<I", body, 0)
@@ -224,6 +228,7 @@ def test_reader_rejects_non_canonical_manifest():
         fmt.decode(_repack(head + b"\0" * (fmt.align_up(len(head)) - len(head)) + payload))
 
 
+@pytest.mark.fault("reader", "non-zero padding bytes")
 def test_reader_rejects_nonzero_padding():
     body = _body(GOOD)
     (mlen,) = struct.unpack_from("<I", body, 0)
@@ -253,18 +258,21 @@ def test_reader_rejects_nonzero_padding():
     ids=["overlap", "gap", "byte-count", "dtype", "extra-key", "token-count", "expert-range", "router-order",
          "top-k", "rows", "logprob-start", "version", "order"],
 )
+@pytest.mark.fault("reader", "manifest field violations")
 def test_reader_rejects_bad_manifests(mutate, match):
     with pytest.raises(ArtifactFormatError, match=match):
         fmt.decode(_with_manifest(GOOD, mutate))
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.fault("encoder", "NaN / +inf logprob reaching the encoder")
 def test_nan_and_positive_inf_logprobs_are_refused_not_nulled(bad):
     lp = np.array([-0.5, bad, -1.0, -2.0], np.float32)
     with pytest.raises(ArtifactFormatError, match=r"selected_logprobs\[1\]"):
         fmt.encode(sample_input(logprobs=lp))
 
 
+@pytest.mark.fault("reader", "NaN logprob inside a stored object")
 def test_nan_in_stored_object_is_rejected_by_reader():
     enc = fmt.encode(sample_input())
     body = _body(enc.data)
@@ -277,6 +285,7 @@ def test_nan_in_stored_object_is_rejected_by_reader():
         fmt.decode(_repack(body))
 
 
+@pytest.mark.fault("encoder", "route tensor with wrong row count or dtype")
 def test_encoder_rejects_wrong_row_count_and_dtype():
     with pytest.raises(ArtifactFormatError, match="rows"):
         fmt.encode(sample_input(rows_extra=1))
@@ -317,11 +326,13 @@ def test_route_layout_compresses_better_than_token_major():
     ids=["name-int", "router-mixed", "dtype-list", "contents-nested", "router-nested", "offset-float",
          "sections-list", "shape-huge", "rank-70", "header-str", "topk-float", "section-str"],
 )
+@pytest.mark.fault("reader", "hostile manifest values")
 def test_hostile_manifests_only_raise_format_errors(mutate):
     with pytest.raises(ArtifactFormatError):
         fmt.decode(_with_manifest(GOOD, mutate))
 
 
+@pytest.mark.fault("reader", "manifest nested past the recursion limit")
 def test_deeply_nested_manifest_is_a_format_error():
     body = _body(GOOD)
     (mlen,) = struct.unpack_from("<I", body, 0)
@@ -331,6 +342,7 @@ def test_deeply_nested_manifest_is_a_format_error():
         fmt.decode(_repack(head + b"\0" * (fmt.align_up(len(head)) - len(head)) + body[fmt.align_up(4 + mlen):]))
 
 
+@pytest.mark.fault("reader", "non-bytes input and oversized objects")
 def test_non_bytes_input_and_oversized_objects():
     with pytest.raises(ArtifactFormatError, match="bytes-like"):
         fmt.decode(10**9)
@@ -338,6 +350,7 @@ def test_non_bytes_input_and_oversized_objects():
         fmt.decode(b"\0" * (fmt.MAX_OBJECT_BYTES + 1))
 
 
+@pytest.mark.fault("reader", "object above GENARTIFACT_MAX_DECODED_BYTES")
 def test_reader_honours_env_decoded_limit(monkeypatch):
     monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "100")
     with pytest.raises(ArtifactFormatError, match="limit 100|largest valid object"):
@@ -345,3 +358,36 @@ def test_reader_honours_env_decoded_limit(monkeypatch):
     monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", "abc")
     with pytest.raises(ArtifactFormatError, match="GENARTIFACT_MAX_DECODED_BYTES"):
         fmt.decode(GOOD)
+
+
+def _with_manifest_bytes(n: int) -> fmt.EncodedArtifact:
+    """sample_input() with a header pad sized so that the manifest is exactly ``n`` bytes."""
+    def enc(pad: int) -> fmt.EncodedArtifact:
+        inp = sample_input()
+        inp.header = {"engine": {"name": "test", "version": "0"}, "pad": "x" * pad}
+        return fmt.encode(inp)
+
+    def mlen(e: fmt.EncodedArtifact) -> int:
+        body = zstandard.ZstdDecompressor().decompress(e.data[16:])
+        return struct.unpack_from("<I", body, 0)[0]
+
+    base = mlen(enc(0))
+    e = enc(n - base)
+    assert mlen(e) == n
+    return e
+
+
+@pytest.mark.fault("reader", "manifest one byte over 1 MiB")
+def test_manifest_of_exactly_the_limit_is_accepted_one_more_byte_is_not(monkeypatch):
+    """MAX_MANIFEST_BYTES (1 MiB) is inclusive in the encoder and the reader; one byte more is refused by both."""
+    limit = fmt.MAX_MANIFEST_BYTES
+    assert limit == 1 << 20
+    at = _with_manifest_bytes(limit)
+    assert fmt.decode(at.data).sha256 == at.sha256
+    with pytest.raises(ArtifactFormatError, match=f"manifest is {limit + 1} bytes; limit {limit}"):
+        _with_manifest_bytes(limit + 1)
+    monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", limit + 1)  # let the encoder write it...
+    over = _with_manifest_bytes(limit + 1)
+    monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", limit)  # ...and the reader refuse it
+    with pytest.raises(ArtifactFormatError, match=f"manifest length {limit + 1} exceeds limit {limit}"):
+        fmt.decode(over.data)

@@ -49,21 +49,25 @@ SEEDS = [_valid(s) for s in range(4)]
 
 @pytest.mark.parametrize("single_segment", [False, True], ids=["windowed", "single-segment"])
 @pytest.mark.parametrize("declared, actual", [(MiB, 64 * MiB), (4 * MiB, 4 * MiB + 1), (64, 65)])
+@pytest.mark.fault("reader", "decompression bomb: blocks hold more than declared")
 def test_frame_holding_more_than_declared_is_refused(declared, actual, single_segment):
     with pytest.raises(ArtifactFormatError, match="holds more than its declared"):
         fmt.decode(hostile.object_bomb(declared, actual, single_segment=single_segment))
 
 
+@pytest.mark.fault("reader", "declared size below the manifest length field")
 def test_declared_size_below_manifest_field_is_refused():
     with pytest.raises(ArtifactFormatError, match="shorter than the manifest length field"):
         fmt.decode(hostile.object_bomb(0, 1))
 
 
+@pytest.mark.fault("reader", "frame holding less than declared")
 def test_frame_holding_less_than_declared_is_refused():
     with pytest.raises(ArtifactFormatError):
         fmt.decode(hostile.object_bomb(4 * MiB, MiB))
 
 
+@pytest.mark.fault("reader", "declared size over the limit, refused before decompressing")
 def test_declared_over_limit_refused_before_decompressing(monkeypatch):
     monkeypatch.setenv("GENARTIFACT_MAX_DECODED_BYTES", str(MiB))
     with pytest.raises(ArtifactFormatError, match="exceeds limit"):
@@ -97,6 +101,7 @@ RSS_PROBE = textwrap.dedent('''
     (16 * MiB, 2048 * MiB, "0", None),         # 66 KB holding 2 GiB
     (16 * MiB, 2048 * MiB, "1", str(32 * MiB)),  # single segment, lowered env limit
 ])
+@pytest.mark.fault("reader", "bomb in a subprocess: peak RSS bounded")
 def test_bomb_peak_rss_is_bounded_by_declared_size(declared, actual, single, limit):
     env = {**os.environ}
     if limit:
@@ -118,6 +123,7 @@ def fuzz_examples() -> int:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(seed=st.integers(0, len(SEEDS) - 1), kind=st.sampled_from(sorted(hostile.MUTATIONS)),
        rnd=st.randoms(use_true_random=False), rounds=st.integers(1, 3))
+@pytest.mark.fault("reader", "seeded structure-aware fuzz of valid objects")
 def test_fuzz_reader_only_raises_format_errors(seed, kind, rnd, rounds):
     obj = SEEDS[seed]
     for _ in range(rounds):
@@ -195,6 +201,7 @@ def test_big_endian_inputs_encode_to_the_same_bytes():
     assert fmt.encode(swapped).data == fmt.encode(inp).data
 
 
+@pytest.mark.fault("reader", "truncated zstd checksum")
 def test_frame_with_checksum_is_accepted_and_truncated_checksum_refused():
     good = fmt.encode(_big_input()).data
     _pre, body, _m, _p = hostile.split(good)
@@ -215,6 +222,7 @@ def _remanifest(obj, mutate):
     lambda m: m["tensors"].__setitem__(slice(1, 3), m["tensors"][2:0:-1]),   # later names unsorted
     lambda m: m["tensors"].__setitem__(2, dict(m["tensors"][1])),            # duplicate name
 ], ids=["token-ids-not-first", "unsorted", "duplicate"])
+@pytest.mark.fault("reader", "tensor order rule violations")
 def test_tensor_order_rules_each_enforced(mutate):
     with pytest.raises(ArtifactFormatError):
         fmt.decode(_remanifest(SEEDS[0], mutate))
@@ -225,6 +233,7 @@ def test_tensor_order_rules_each_enforced(mutate):
     lambda m: m["sections"].__setitem__("zz_extra", {}),
     lambda m: m["sections"].__setitem__("a_extra", {}),
 ], ids=["missing-section", "extra-section-after", "extra-section-before"])
+@pytest.mark.fault("reader", "sections not matching contents")
 def test_sections_must_match_contents_exactly(mutate):
     with pytest.raises(ArtifactFormatError):
         fmt.decode(_remanifest(SEEDS[0], mutate))

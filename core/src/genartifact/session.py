@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from genartifact.errors import (
     ArtifactFormatError,
     CaptureError,
     DeliveryError,
+    GenartifactError,
     PluginFault,
     TargetError,
 )
@@ -82,7 +84,16 @@ class ArtifactSession:
     :param request: a validated :class:`~genartifact.spec.ArtifactRequest`.
     :param model: engine/model facts.
     :param target: a storage target instance for ``request.target_kind`` (from :meth:`for_request`).
+
+    ``recover_existing`` (set by ``generate --resume``; default False): when the create-only delivery answers
+    ``object_exists``, the stored object is read back through the target (at most this run's encoded byte count,
+    which admission bounded by the target's ``max_bytes``) and, if its byte count and SHA-256 equal the bytes this
+    run just encoded (a deterministic rerun: seeded or temperature 0), the receipt is ``ready`` with
+    ``"recovered": "rerun_match"``. Anything else (different bytes, larger, unreadable, a target without
+    read-back such as presigned grants) stays ``object_exists``; outside a resume a duplicate always fails so.
     """
+
+    recover_existing: bool = False
 
     def __init__(self, host: PluginHost, request: ArtifactRequest, model: ModelInfo, target: Any,
                  producers: list[ContentProducer], journal: DeliveryJournal | None = None) -> None:
@@ -378,6 +389,11 @@ class ArtifactSession:
             except (DeliveryError, TargetError) as e:
                 code = "target_invalid" if isinstance(e, TargetError) else e.code
                 code = code if code in ERROR_MESSAGES else "delivery_failed"
+                if code == "object_exists" and self.recover_existing and await self._stored_matches(enc):
+                    await self._journal_outcome(did, "ready")
+                    did = None
+                    log.info("artifact_recovered", object_id=self._validated.object_id, sha256=enc.sha256)
+                    return {**self._ready_receipt(enc), "recovered": "rerun_match"}
                 log.warning("artifact_delivery_failed", error_code=code, target_kind=self.request.target_kind)
                 await self._journal_outcome(did, "failed", code)
                 did = None
@@ -395,15 +411,7 @@ class ArtifactSession:
             did = None
             object_id = validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
             log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
-            return {
-                "format": self.request.format,
-                "contents": sorted(self.request.contents),
-                "state": "ready",
-                "target": self.request.target_kind,
-                "byte_count": enc.byte_count,
-                "sha256": enc.sha256,
-                "object_id": object_id,
-            }
+            return self._ready_receipt(enc)
         except PluginFault:  # logged with the plugin's name when raised
             await self._journal_outcome(did, "failed", "internal_error")
             return failed_receipt(self.request, "internal_error")
@@ -413,6 +421,32 @@ class ArtifactSession:
             return failed_receipt(self.request, "internal_error")
         finally:
             sem.release()
+
+    def _ready_receipt(self, enc: fmt.EncodedArtifact) -> dict[str, Any]:
+        assert self._validated is not None
+        return {
+            "format": self.request.format,
+            "contents": sorted(self.request.contents),
+            "state": "ready",
+            "target": self.request.target_kind,
+            "byte_count": enc.byte_count,
+            "sha256": enc.sha256,
+            "object_id": self._validated.object_id,
+        }
+
+    async def _stored_matches(self, enc: fmt.EncodedArtifact) -> bool:
+        """Whether the object already stored at the validated id is byte-for-byte this run's encoding: read back
+        through the target, at most ``enc.byte_count`` bytes (a larger object is refused by the target before
+        its body is read), then byte count and SHA-256 compared. False when it cannot be read back."""
+        assert self._validated is not None
+        try:
+            data = await self._target.open(self._validated.object_id, enc.byte_count)
+        except (GenartifactError, OSError) as e:
+            log.warning("artifact_recover_unreadable", error_type=type(e).__name__)
+            return False
+        if len(data) != enc.byte_count:
+            return False
+        return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest()) == enc.sha256
 
     async def _journal_outcome(self, did: str | None, state: str, code: str | None = None) -> None:
         """Journal an outcome; a journal that cannot be written (ENOSPC...) never changes the receipt: the

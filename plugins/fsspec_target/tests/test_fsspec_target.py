@@ -54,6 +54,7 @@ def test_relative_url_resolves_against_base_dir(tmp_path):
         ({"p": {"url": "memory://x", "allowed_prefixes": [""], "password": "hunter2"}}, r"unknown key\(s\) \['password'\]"),
     ],
 )
+@pytest.mark.fault("managed", "bad profile settings")
 def test_bad_profiles(profiles, match):
     with pytest.raises(ConfigError, match=match) as e:
         parse_profiles({"profiles": profiles})
@@ -61,11 +62,13 @@ def test_bad_profiles(profiles, match):
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a/./b", "a//b", "a\\b", "a/b/", "é/x", "a b"])
+@pytest.mark.fault("managed", "bad object keys")
 def test_bad_keys(key):
     with pytest.raises(TargetError):
         validate_key(key)
 
 
+@pytest.mark.fault("managed", "key outside the allowed prefixes")
 def test_prefix_boundary(tmp_path):
     t = target(tmp_path)
     assert t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "other/x/y"}).object_id == "disk:other/x/y"
@@ -82,6 +85,7 @@ def test_storage_options_never_in_repr(tmp_path):
     assert "hunter2" not in repr(prof) and "hunter2" not in repr(ManagedFsspecTarget({"p": prof}))
 
 
+@pytest.mark.fault("managed", "second write to a file:// key")
 def test_local_create_only_atomic_no_temp_left(tmp_path):
     t = target(tmp_path)
     v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
@@ -96,6 +100,7 @@ def test_local_create_only_atomic_no_temp_left(tmp_path):
     assert (tmp_path / "runs/a/b.gart").stat().st_mode & 0o777 == 0o666 & ~mask  # readable by a trainer
 
 
+@pytest.mark.fault("managed", "write failing half-way (file://)")
 def test_local_write_failure_leaves_nothing(tmp_path):
     t = target(tmp_path)
     (tmp_path / "runs").write_text("a file where a directory is needed")
@@ -105,6 +110,7 @@ def test_local_write_failure_leaves_nothing(tmp_path):
     assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
 
 
+@pytest.mark.fault("managed", "second write to a memory:// key")
 def test_memory_create_only(mem_root):
     t = target("/unused", mem_root)
     v = t.validate({"kind": "managed_fsspec", "profile": "mem", "object_key": "k1"})
@@ -115,6 +121,7 @@ def test_memory_create_only(mem_root):
 
 
 @pytest.mark.parametrize("profile", ["mem", "disk"])
+@pytest.mark.fault("managed", "32 concurrent writers to one key")
 def test_concurrent_writers_exactly_one_ready(tmp_path, mem_root, profile, monkeypatch):
     """Create-only is atomic: 32 writers racing on one key (threads and tasks) -> exactly one succeeds and the
     stored bytes are the winner's. The memory store's existence check is slowed to widen any race window."""
@@ -185,6 +192,7 @@ def test_read_back_protocol(tmp_path, mem_root, profile):
         asyncio.run(t.delete(oid, "XYZ"))
 
 
+@pytest.mark.fault("managed", "conditional delete of an object over max_bytes")
 def test_conditional_delete_never_reads_past_max_bytes(tmp_path):
     import hashlib
 
@@ -195,6 +203,7 @@ def test_conditional_delete_never_reads_past_max_bytes(tmp_path):
     assert (tmp_path / "runs/big").exists()
 
 
+@pytest.mark.fault("managed", "temp files left by a crash")
 def test_crash_temp_files_listed_and_removed_with_age_guard(tmp_path):
     t = target(tmp_path)
     (tmp_path / "runs/sub").mkdir(parents=True)
@@ -212,6 +221,7 @@ def test_crash_temp_files_listed_and_removed_with_age_guard(tmp_path):
         asyncio.run(t.remove_leftover({"profile": "disk", "path": str(tmp_path / "runs/.tmp-not-ours")}))
 
 
+@pytest.mark.fault("managed", "object over the profile's max_bytes")
 def test_over_max_bytes_refused_before_write(tmp_path):
     t = target(tmp_path, max_bytes=4)
     v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/big"})
@@ -236,3 +246,188 @@ def test_hook_serves_only_its_kind_and_profile_defaults_and_bounds():
     for bad in (0, 11, True):
         with pytest.raises(ConfigError, match="max_attempts"):
             parse_profiles({"profiles": {"p": {"url": "memory://x", "allowed_prefixes": [""], "max_attempts": bad}}})
+
+
+# ---- pinned for mutation survivors (issue 10) ----------------------------------------------------------------
+
+
+def _sha(b):
+    import hashlib
+
+    return hashlib.sha256(b).hexdigest()
+
+
+@pytest.mark.parametrize("race", ["replaced", "removed", "none"])
+@pytest.mark.fault("managed", "file replaced or removed while hashed for delete")
+def test_local_conditional_delete_keeps_a_file_replaced_while_hashing(tmp_path, monkeypatch, race):
+    """The file checked is the file deleted: replaced (other inode, even with the same bytes) or removed between
+    the hash and the unlink -> False, the new file is kept; untouched -> deleted."""
+    import genartifact_fsspec_target as ft
+
+    t = target(tmp_path)
+    (tmp_path / "runs").mkdir()
+    path = tmp_path / "runs/x"
+    path.write_bytes(b"same bytes")
+    real = ft._read_capped_fileobj
+
+    def racing(f, size, max_bytes, h=None):
+        out = real(f, size, max_bytes, h)
+        if race == "replaced":
+            (tmp_path / "runs/x.new").write_bytes(b"same bytes")
+            os.replace(tmp_path / "runs/x.new", path)
+        elif race == "removed":
+            path.unlink()
+        return out
+
+    monkeypatch.setattr(ft, "_read_capped_fileobj", racing)
+    got = asyncio.run(t.delete("disk:runs/x", _sha(b"same bytes")))
+    assert got is (race == "none")
+    assert path.exists() is (race == "replaced")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == (["x"] if race == "replaced" else [])
+
+
+def test_target_shorthand_serves_only_its_kind():
+    from genartifact_fsspec_target import genartifact_target_shorthand
+
+    assert genartifact_target_shorthand(kind="managed_fsspec", value="s3", run_id="r1", index=7) == \
+        {"kind": "managed_fsspec", "profile": "s3", "object_key": "runs/r1/00007.gart"}
+    for other in ("presigned_http_put", "aaa", "zzz", "managed_fsspeC", ""):
+        assert genartifact_target_shorthand(kind=other, value="s3", run_id="r1", index=7) is None
+
+
+def _s3_profile(**so):
+    return parse_profiles({"profiles": {"s3": {"url": "s3://b/p", "allowed_prefixes": ["runs/"], "max_attempts": 2,
+                                               "connect_timeout_s": 1.5, "read_timeout_s": 7.0,
+                                               "storage_options": so}}})["s3"]
+
+
+def test_client_kwargs_take_credentials_endpoint_and_config_from_storage_options():
+    from genartifact_fsspec_target import _client_kwargs
+
+    kw = _client_kwargs(_s3_profile(key="K", secret="S", token="T", endpoint_url="http://127.0.0.1:9",
+                                    client_kwargs={"region_name": "eu-west-9"},
+                                    config_kwargs={"max_pool_connections": 3, "connect_timeout": 99}))
+    cfg = kw.pop("config")
+    assert kw == {"aws_access_key_id": "K", "aws_secret_access_key": "S", "aws_session_token": "T",
+                  "endpoint_url": "http://127.0.0.1:9", "region_name": "eu-west-9"}
+    assert cfg.max_pool_connections == 3  # the user's config_kwargs are kept...
+    assert (cfg.connect_timeout, cfg.read_timeout) == (1.5, 7.0)  # ...the profile's timeouts win
+    assert cfg.retries == {"total_max_attempts": 2, "mode": "standard"}
+    assert cfg.request_checksum_calculation == "when_required"
+    for so in ({}, {"config_kwargs": None}, {"key": None}):  # nothing given: nothing passed, no error
+        kw = _client_kwargs(_s3_profile(**so))
+        assert set(kw) == {"config"} and kw["config"].connect_timeout == 1.5
+
+
+def test_s3_filesystem_keeps_config_kwargs_and_profile_settings():
+    pytest.importorskip("s3fs")
+    from genartifact_fsspec_target import s3_filesystem
+
+    fs = s3_filesystem(_s3_profile(key="K", secret="S", config_kwargs={"max_pool_connections": 3}))
+    assert fs.config_kwargs["max_pool_connections"] == 3
+    assert fs.config_kwargs["connect_timeout"] == 1.5 and fs.retries == 1
+    assert s3_filesystem(_s3_profile(key="K", secret="S")).config_kwargs["read_timeout"] == 7.0
+
+
+class _ClientError(Exception):
+    def __init__(self, status, code, retries=0):
+        super().__init__(code)
+        self.response = {"ResponseMetadata": {"HTTPStatusCode": status, "RetryAttempts": retries},
+                         "Error": {"Code": code}}
+
+
+@pytest.mark.parametrize("status, code, absent", [
+    (404, "", True), (None, "NoSuchKey", True), (None, "NotFound", True), (None, "404", True),
+    (403, "AccessDenied", False), (400, "BadRequest", False), (405, "MethodNotAllowed", False),
+    (410, "Gone", False), (500, "InternalError", False), (None, "", False)])
+@pytest.mark.fault("s3", "read-back error classified")
+def test_read_back_404_means_absent_other_errors_do_not(status, code, absent):
+    from genartifact_fsspec_target import _is_not_found
+
+    assert _is_not_found(_ClientError(status, code)) is absent
+
+
+@pytest.mark.parametrize("status, code, retries, matches, outcome", [
+    (412, "PreconditionFailed", 1, True, "idempotent"),  # a resend: an earlier attempt of ours landed
+    (412, "PreconditionFailed", 2, False, "object_exists"),
+    (None, "PreconditionFailed", 1, False, "object_exists"),
+    (412, "PreconditionFailed", 0, True, "object_exists"),  # first PUT: there before us, even if identical
+    (412, "", 1, True, "idempotent"),  # the status alone decides (a store that sends no error code)
+    (409, "", 1, True, "object_exists"),
+    (409, "ConditionalRequestConflict", 1, True, "object_exists"),  # a concurrent conditional write: never ours
+    (None, "ConditionalRequestConflict", 1, False, "object_exists"),
+    (400, "BadDigest", 1, True, "delivery_failed"),
+    (403, "AccessDenied", 0, True, "delivery_failed"),
+    (411, "MissingContentLength", 1, True, "delivery_failed"),
+])
+@pytest.mark.fault("s3", "conditional PutObject answer")
+def test_s3_conditional_put_outcomes(monkeypatch, status, code, retries, matches, outcome):
+    """A 412 on a resent PUT is checked by read-back (ours -> success, else object_exists); on the first PUT and
+    for 409 it is object_exists without a read; any other 4xx is delivery_failed."""
+    import genartifact_fsspec_target as ft
+
+    checked = []
+
+    class Client:
+        async def put_object(self, **kw):
+            raise _ClientError(status, code, retries)
+
+    async def fake_client(prof):
+        return Client()
+
+    async def fake_matches(client, prof, key, sha256, size):
+        checked.append(size)
+        return matches
+
+    monkeypatch.setattr(ft, "s3_client", fake_client)
+    monkeypatch.setattr(ft, "_s3_matches", fake_matches)
+    prof = _s3_profile(key="K", secret="S")
+    if outcome == "idempotent":
+        asyncio.run(ft._write_s3_create_only(prof, "runs/x", b"abc", _sha(b"abc")))
+    else:
+        with pytest.raises(DeliveryError) as e:
+            asyncio.run(ft._write_s3_create_only(prof, "runs/x", b"abc", _sha(b"abc")))
+        assert e.value.code == ("object_exists" if outcome == "object_exists" else "delivery_failed")
+    # read back (size first) only for a failed precondition on a resend that is not a 409
+    reads = status != 409 and retries > 0 and (status == 412 or code in ("PreconditionFailed",
+                                                                         "ConditionalRequestConflict"))
+    assert checked == ([3] if reads else [])
+
+
+@pytest.mark.fault("managed", "object larger than one read chunk or one byte over max_bytes")
+def test_read_back_across_chunks_and_at_the_size_limit(tmp_path):
+    """Objects over the 1 MiB read chunk come back whole (file:// through open() and through the streaming
+    open_object()); exactly max_bytes is accepted, one byte more is ObjectTooLargeError, never truncated."""
+    from genartifact.errors import ObjectTooLargeError
+    from genartifact_fsspec_target import _read_capped_fileobj, open_object
+
+    size = (1 << 20) + (1 << 19) + 7
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs/big").write_bytes(data)
+    t = target(tmp_path, max_bytes=size)
+    assert asyncio.run(t.open("disk:runs/big", size)) == data
+    assert open_object(t.profiles["disk"], "runs/big") == data
+    small = target(tmp_path, max_bytes=size - 1)
+    with pytest.raises(ObjectTooLargeError):
+        open_object(small.profiles["disk"], "runs/big")  # no size known up front: streamed, stopped at +1
+    with pytest.raises(ObjectTooLargeError):
+        asyncio.run(small.open("disk:runs/big", size - 1))
+    import io
+
+    for cap in (size, size - 1, 10):  # unknown size: never more than cap + 1 bytes read
+        f = io.BytesIO(data)
+        got = _read_capped_fileobj(f, None, cap)
+        assert got == (data if cap >= size else None)
+        assert f.tell() <= cap + 1
+
+
+def test_profile_dataclass_defaults_match_the_documented_ones():
+    """docs/storage.md: timeouts 60 s whole / 5 s connect / 30 s read, 3 attempts, checksum when_required."""
+    import dataclasses
+
+    from genartifact_fsspec_target import Profile
+
+    d = {f.name: f.default for f in dataclasses.fields(Profile)}
+    assert (d["timeout_s"], d["connect_timeout_s"], d["read_timeout_s"], d["max_attempts"], d["checksum"]) == \
+        (60.0, 5.0, 30.0, 3, "when_required")

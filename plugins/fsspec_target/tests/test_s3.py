@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import structlog
-from genartifact.errors import DeliveryError
+from genartifact.errors import DeliveryError, TargetError
 from genartifact_fsspec_target import ManagedFsspecTarget, open_object, parse_profiles
 
 
@@ -36,6 +36,7 @@ def test_put_and_read_back(s3_server):
     assert got == b"hello artifact" == open_object(t.profiles["s3"], k)
 
 
+@pytest.mark.fault("s3", "second write to an S3 key")
 def test_conditional_create_never_overwrites(s3_server):
     t, k = target(s3_server), key()
     deliver(t, k, b"first")
@@ -45,11 +46,55 @@ def test_conditional_create_never_overwrites(s3_server):
     assert s3_server["client"].get_object(Bucket="ga-test", Key=f"art/{k}")["Body"].read() == b"first"
 
 
-def test_retry_after_landed_put_is_idempotent(s3_server):
-    """A PUT that landed but whose response was lost is retried; 412 + identical bytes = success."""
+def _resend_first_put(monkeypatch):
+    """Make botocore resend every delivery's first PutObject whatever it answered, as if its response had been
+    lost (a ``needs-retry`` handler on the plugin's session, more specific than the retry handler's)."""
+    import genartifact_fsspec_target as ft
+
+    sess = ft._botocore_session(None)
+    calls = []
+
+    def needs_retry(attempts, **kw):
+        calls.append(attempts)
+        return 0 if attempts == 1 else None  # retry once, at once
+
+    sess.register("needs-retry.s3.PutObject", needs_retry)
+    monkeypatch.setattr(ft, "_RESEND_UNREGISTER", lambda: sess.unregister("needs-retry.s3.PutObject", needs_retry),
+                        raising=False)
+    return calls
+
+
+@pytest.mark.fault("s3", "landed PUT resent (response lost)")
+def test_retry_after_landed_put_is_idempotent(s3_server, monkeypatch):
+    """A PUT that landed but whose response was lost is resent; the resend meets 412, the stored bytes are read
+    back and are ours: success, stored once."""
+    import genartifact_fsspec_target as ft
+
+    t, k = target(s3_server), key()
+    calls = _resend_first_put(monkeypatch)
+    try:
+        assert deliver(t, k, b"same bytes") == f"s3:{k}"
+    finally:
+        ft._RESEND_UNREGISTER()
+    assert calls[:2] == [1, 2]  # the first PUT landed and was resent
+    assert s3_server["client"].get_object(Bucket="ga-test", Key=f"art/{k}")["Body"].read() == b"same bytes"
+
+
+@pytest.mark.fault("s3", "duplicate request with identical bytes")
+def test_duplicate_with_identical_bytes_is_object_exists(s3_server, monkeypatch):
+    """A 412 on the first PUT is an object that was there before this delivery: object_exists even when its bytes
+    are identical (a duplicate request), with no read-back at all."""
     t, k = target(s3_server), key()
     s3_server["client"].put_object(Bucket="ga-test", Key=f"art/{k}", Body=b"same bytes")
-    assert deliver(t, k, b"same bytes") == f"s3:{k}"
+    sent = _spy_requests(monkeypatch)
+    try:
+        with pytest.raises(DeliveryError) as e:
+            deliver(t, k, b"same bytes")
+    finally:
+        import genartifact_fsspec_target as ft
+        ft._SPY_UNREGISTER()
+    assert e.value.code == "object_exists"
+    assert [m for m, _ in sent] == ["PUT"]
 
 
 def _spy_requests(monkeypatch):
@@ -92,6 +137,7 @@ def test_checksum_header_is_configurable(s3_server, monkeypatch):
     assert any(h.startswith("x-amz-checksum") or h == "x-amz-sdk-checksum-algorithm" for h in sent[0][1])
 
 
+@pytest.mark.fault("s3", "bad checksum mode")
 def test_bad_checksum_mode_refused():
     from genartifact.errors import ConfigError
 
@@ -126,19 +172,23 @@ def test_one_client_per_profile_and_event_loop(s3_server, monkeypatch):
     assert made == ["s3", "s3"]
 
 
+@pytest.mark.fault("s3", "resent PUT meets a large foreign object")
 def test_retry_check_asks_size_first_and_never_reads_a_foreign_object(s3_server, monkeypatch):
-    """A foreign object of another size at the key: object_exists after a HEAD, with no GET at all."""
+    """A resent PUT meets a foreign object of another size at the key: object_exists after a HEAD, with no GET
+    at all."""
     t, k = target(s3_server), key()
     s3_server["client"].put_object(Bucket="ga-test", Key=f"art/{k}", Body=b"f" * (3 << 20))
     sent = _spy_requests(monkeypatch)
+    _resend_first_put(monkeypatch)
     try:
         with pytest.raises(DeliveryError) as e:
             deliver(t, k, b"mine")
     finally:
         import genartifact_fsspec_target as ft
         ft._SPY_UNREGISTER()
+        ft._RESEND_UNREGISTER()
     assert e.value.code == "object_exists"
-    assert [m for m, _ in sent] == ["PUT", "HEAD"]
+    assert [m for m, _ in sent] == ["PUT", "PUT", "HEAD"]
 
 
 def test_concurrent_deliveries_one_loop(s3_server):
@@ -172,6 +222,7 @@ def blackhole_port():
                                               "timeout_s": 2.0}, 3),    # per-read timeout
                                              ({"read_timeout_s": 30, "timeout_s": 0.5}, 2)],  # whole-delivery deadline
                          ids=["read-timeout", "deadline"])
+@pytest.mark.fault("s3", "unresponsive endpoint")
 def test_unresponsive_endpoint_times_out(s3_server, blackhole_port, profile, limit):
     t = target(at_endpoint(s3_server, blackhole_port), **profile)
     t0 = time.monotonic()
@@ -180,6 +231,7 @@ def test_unresponsive_endpoint_times_out(s3_server, blackhole_port, profile, lim
     assert e.value.code == "timeout" and time.monotonic() - t0 < limit
 
 
+@pytest.mark.fault("s3", "refused endpoint")
 def test_refused_endpoint_fails_without_detail(s3_server):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -202,6 +254,7 @@ def test_profiles_from_environment(s3_server, monkeypatch):
     assert sorted(profiles) == ["envp", "local"] and profiles["envp"].is_s3
 
 
+@pytest.mark.fault("s3", "bad GENARTIFACT_STORAGE_PROFILES")
 def test_bad_environment_profiles(monkeypatch):
     from genartifact.errors import ConfigError
 
@@ -265,3 +318,28 @@ def test_max_attempts_is_the_number_of_puts_sent(s3_server, attempts):
         srv.server_close()
     assert e.value.code == "delivery_failed"
     assert len(seen) == attempts
+
+
+@pytest.mark.fault("s3", "wrong secret in storage_options")
+def test_credentials_come_from_storage_options_not_the_environment(s3_server, monkeypatch):
+    """The profile's storage_options key/secret sign the requests: with the environment's AWS_* credentials
+    removed the delivery works; with a wrong secret in storage_options (and correct ones in the environment) the
+    store refuses it (403) — delivery_failed, and a read-back is an error, never "absent"."""
+    from genartifact.errors import ObjectNotFoundError
+
+    k = key()
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    assert deliver(target(s3_server), k, b"signed with the profile's key") == f"s3:{k}"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server["storage_options"]["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server["storage_options"]["secret"])
+    bad = target(s3_server, storage_options={**s3_server["storage_options"], "secret": "not-the-secret"})
+    k2 = key()
+    with pytest.raises(DeliveryError) as e:
+        deliver(bad, k2, b"x")
+    assert e.value.code == "delivery_failed" and "not-the-secret" not in str(e.value)
+    with pytest.raises(TargetError, match="read-back failed") as e:  # the object does exist: never "absent"
+        asyncio.run(bad.open(f"s3:{k}", 1 << 20))
+    assert not isinstance(e.value, ObjectNotFoundError) and "not-the-secret" not in str(e.value)
+    listed = s3_server["client"].list_objects_v2(Bucket="ga-test", Prefix=f"art/{k2}").get("Contents", [])
+    assert listed == []  # nothing stored by the refused request

@@ -100,6 +100,7 @@ URL_CASES = [
 
 
 @pytest.mark.parametrize("url, match", URL_CASES, ids=[f"url{i}" for i in range(len(URL_CASES))])
+@pytest.mark.fault("presigned", "grant URL refused")
 def test_url_rejected(fault_server, url, match):
     t = PresignedHttpPutTarget(settings(fault_server))
     with pytest.raises(TargetError, match=match) as e:
@@ -134,6 +135,7 @@ HEADER_CASES = [
 
 
 @pytest.mark.parametrize("headers, match", HEADER_CASES, ids=[f"hdr{i}" for i in range(len(HEADER_CASES))])
+@pytest.mark.fault("presigned", "grant headers refused")
 def test_headers_rejected(fault_server, headers, match):
     t = PresignedHttpPutTarget(settings(fault_server))
     with pytest.raises(TargetError, match=match) as e:
@@ -155,6 +157,7 @@ def test_headers_rejected(fault_server, headers, match):
     ],
     ids=["past", "naive", "too-far", "text", "number", "overflow-high", "overflow-low"],
 )
+@pytest.mark.fault("presigned", "grant expiry refused")
 def test_expiry_rejected(fault_server, expires, match):
     t = PresignedHttpPutTarget(settings(fault_server))
     with pytest.raises(TargetError, match=match):
@@ -168,12 +171,14 @@ def test_expiry_rejected(fault_server, expires, match):
      ("object_id", "", "object_id"), ("object_id", "a\nb", "object_id"), ("object_id", "x" * 600, "object_id"),
      ("extra", 1, "unknown key")],
 )
+@pytest.mark.fault("presigned", "other grant fields refused")
 def test_other_fields_rejected(fault_server, field, value, match):
     t = PresignedHttpPutTarget(settings(fault_server))
     with pytest.raises(TargetError, match=match):
         t.validate(grant(**{field: value}))
 
 
+@pytest.mark.fault("presigned", "grant field missing")
 def test_missing_field():
     g = grant()
     del g["object_id"]
@@ -181,6 +186,7 @@ def test_missing_field():
         PresignedHttpPutTarget(settings()).validate(g)
 
 
+@pytest.mark.fault("presigned", "target settings refused")
 def test_settings_rejected():
     with pytest.raises(ConfigError, match="insecure_http_hosts entry 'example.com:80'.*loopback"):
         PresignedSettings.parse({"insecure_http_hosts": ["example.com:80"]})
@@ -219,6 +225,7 @@ def test_wire_exact_headers_content_length_raw_path(fault_server):
 
 
 @pytest.mark.parametrize("mode, attempts", [("s503", 2), ("s429", 2)])
+@pytest.mark.fault("presigned", "store answers 5xx / 429, then succeeds")
 def test_retry_on_5xx_and_429(fault_server, mode, attempts):
     t = PresignedHttpPutTarget(settings(fault_server))
     assert put(t, grant(url=fault_server.url(f"/{mode}/k"))) == "obj-1"
@@ -232,15 +239,18 @@ def test_retry_on_5xx_and_429(fault_server, mode, attempts):
      ("s403", "forbidden", 1), ("s403expired", "expired", 1), ("s403signature", "signature_mismatch", 1),
      ("s400", "delivery_failed", 1)],
 )
+@pytest.mark.fault("presigned", "store keeps failing")
 def test_final_failures(fault_server, mode, code, attempts):
     t = PresignedHttpPutTarget(settings(fault_server))
     with pytest.raises(DeliveryError) as e:
         put(t, grant(url=fault_server.url(f"/{mode}/k?{SECRET}")))
     assert e.value.code == code and "TOPSECRETSIG" not in str(e.value)
     assert len(fault_server.requests) == attempts
+    assert fault_server.store == {}  # nothing stored by a refused upload
     assert all(not r.raw_path.startswith("/ok/redirected") for r in fault_server.requests)
 
 
+@pytest.mark.fault("presigned", "second PUT to the key: 412")
 def test_second_put_is_412_object_exists(fault_server):
     t = PresignedHttpPutTarget(settings(fault_server))
     put(t, grant(url=fault_server.url("/ok/same")))
@@ -249,6 +259,7 @@ def test_second_put_is_412_object_exists(fault_server):
     assert e.value.code == "object_exists" and fault_server.store["/ok/same"] == b"artifact-bytes"
 
 
+@pytest.mark.fault("presigned", "store too slow to answer")
 def test_slow_response_times_out(fault_server):
     t = PresignedHttpPutTarget(settings(fault_server, read_timeout_s=0.3))
     with pytest.raises(DeliveryError) as e:
@@ -256,6 +267,7 @@ def test_slow_response_times_out(fault_server):
     assert e.value.code == "timeout"
 
 
+@pytest.mark.fault("presigned", "delivery past its whole deadline")
 def test_whole_delivery_deadline(fault_server):
     t = PresignedHttpPutTarget(settings(fault_server, total_timeout_s=0.4, read_timeout_s=10))
     t0 = time.monotonic()
@@ -264,14 +276,17 @@ def test_whole_delivery_deadline(fault_server):
     assert e.value.code == "timeout" and time.monotonic() - t0 < 1.5
 
 
+@pytest.mark.fault("presigned", "connection reset mid-upload")
 def test_connection_reset_is_a_failure_not_retried(fault_server):
     t = PresignedHttpPutTarget(settings(fault_server))
     with pytest.raises(DeliveryError) as e:
         put(t, grant(url=fault_server.url("/reset/k")))
     assert e.value.code == "delivery_failed"
     assert fault_server.counters["/reset/k"] == 1
+    assert fault_server.store == {}
 
 
+@pytest.mark.fault("presigned", "connection refused")
 def test_connect_refused_retries_then_fails():
     import socket
 
@@ -295,12 +310,14 @@ def test_connect_refused_retries_then_fails():
 
 
 @pytest.mark.parametrize("host", ["mixed.example.com", "mixed6.example.com"])
+@pytest.mark.fault("presigned", "host resolving to a public and a private address")
 def test_every_dns_answer_is_checked_not_only_the_first(host):
     t = PresignedHttpPutTarget(settings())
     with pytest.raises(TargetError, match="non-global address"):
         t.validate(grant(url=f"https://{host}/a/key?{SECRET}"))
 
 
+@pytest.mark.fault("presigned", "grant expiring before the send")
 def test_expiry_rechecked_before_sending(fault_server, monkeypatch):
     t = PresignedHttpPutTarget(settings(fault_server))
     v = t.validate(grant(url=fault_server.url("/ok/late")))
@@ -311,6 +328,7 @@ def test_expiry_rechecked_before_sending(fault_server, monkeypatch):
     assert e.value.code == "expired" and fault_server.requests == []
 
 
+@pytest.mark.fault("presigned", "DNS rebinding between validation and send")
 def test_dns_rebinding_checked_at_send_time(monkeypatch):
     t = PresignedHttpPutTarget(settings())
     v = t.validate(grant())
@@ -320,6 +338,7 @@ def test_dns_rebinding_checked_at_send_time(monkeypatch):
     assert e.value.code == "target_invalid"
 
 
+@pytest.mark.fault("presigned", "object over the grant's max_bytes")
 def test_over_grant_max_bytes_not_sent(fault_server):
     t = PresignedHttpPutTarget(settings(fault_server))
     with pytest.raises(DeliveryError) as e:
@@ -327,6 +346,7 @@ def test_over_grant_max_bytes_not_sent(fault_server):
     assert e.value.code == "too_large" and fault_server.requests == []
 
 
+@pytest.mark.fault("presigned", "secrets in URL and signed headers")
 def test_secrets_never_logged(fault_server):
     t = PresignedHttpPutTarget(settings(fault_server))
     with structlog.testing.capture_logs() as logs:
@@ -356,6 +376,7 @@ SIGV4 = ("X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AK%2F20261130%2Fus-e
     ("host", {"if-none-match": "*"}, r"not signed \['if-none-match'\]"),
     ("host%3Bcontent-type%3Bif-none-match", {"if-none-match": "*"}, r"missing \['content-type'\]"),
 ])
+@pytest.mark.fault("presigned", "grant headers differ from X-Amz-SignedHeaders")
 def test_grant_headers_must_match_the_signed_header_list(signed, headers, match):
     t = PresignedHttpPutTarget(settings())
     with pytest.raises(TargetError, match=match) as e:
@@ -375,6 +396,7 @@ def test_signed_header_list_match_is_accepted_incl_host_and_content_length():
 
 @pytest.mark.parametrize("path", ["/runs/../x.gart", "/runs/./x.gart", "/runs/%2e%2e/x.gart", "/runs/.%2E/x.gart",
                                   "/runs/%2E/x.gart", "/..", "/a/b/..", "/runs/%2e%2E/%2e%2e/x"])
+@pytest.mark.fault("presigned", "dot segments in the signed path")
 def test_dot_segments_are_refused_at_validation(path):
     t = PresignedHttpPutTarget(settings())
     with pytest.raises(TargetError, match="'.' or '..' segment"):
@@ -433,6 +455,7 @@ def test_expiry_margin_applies_before_sending(fault_server, monkeypatch):
     assert e.value.code == "expired" and fault_server.requests == []
 
 
+@pytest.mark.fault("presigned", "retry that would end past expiry")
 def test_no_retry_that_would_end_past_expiry(fault_server):
     t = PresignedHttpPutTarget(settings(fault_server, backoff_base_s=2.0, backoff_max_s=2.0))
     g = grant(url=fault_server.url("/always503/k"), expires=iso(datetime.now(UTC) + timedelta(seconds=2.6)))

@@ -12,7 +12,9 @@ already started are drained for up to ``DRAIN_S`` seconds, every row gets a rece
 those that did not finish) and the exit status is 130 (SIGINT) or 143 (SIGTERM); a second signal stops the
 drain. ``generate --resume`` re-runs only the rows without a ready receipt, and first recognises a row whose
 object is already stored with the SHA-256 its journaled delivery recorded (read back through the target) as
-ready. Receipts that cannot be written (disk full) are named on stderr (object id and SHA-256), never lost
+ready; without a journal entry, a rerun row whose create-only delivery meets an existing object with exactly
+the bytes it just encoded (deterministic rows: seeded or temperature 0) is ready too (``recovered``). Receipts
+that cannot be written (disk full) are named on stderr (object id and SHA-256), never lost
 silently.
 """
 
@@ -445,11 +447,13 @@ async def _recover_from_journal(targets: Mapping[str, Any], spec: Mapping[str, A
 
 
 async def run_row(engine: Any, i: int, row: Mapping[str, Any], spec: Mapping[str, Any], settings: Mapping[str, Any],
-                  journal: Any, max_tokens: int, on_generated: Any = None) -> dict[str, Any]:
+                  journal: Any, max_tokens: int, on_generated: Any = None, resume: bool = False) -> dict[str, Any]:
     """Run one preflighted prompt row on a started engine and return its receipt (with ``index``,
     ``prompt_tokens``, ``completion_tokens``); refusals before inference are ``rejected`` receipts
     (``admission_rejected``, ``engine_rejected``), a plugin fault at admission an ``internal_error`` one.
-    ``on_generated()`` is called when generation ended and only delivery is left. Never raises for the row."""
+    ``on_generated()`` is called when generation ended and only delivery is left. ``resume`` (``--resume``): an
+    ``object_exists`` whose stored bytes equal this run's encoding is a ready receipt (``ArtifactSession.
+    recover_existing``). Never raises for the row."""
     from genartifact.engine.vllm_adapter import RequestResult
 
     max_len = int(engine.model_info.engine_options.get("max_model_len", 0))
@@ -461,6 +465,8 @@ async def run_row(engine: Any, i: int, row: Mapping[str, Any], spec: Mapping[str
             raise RequestSpecError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
         prep = engine.prepare(ids, sampling, spec, settings, routes_start=row.get("routed_experts_prompt_start", 0),
                               journal=journal)
+        if resume and prep.session is not None:
+            prep.session.recover_existing = True
         res = None
         # a batch job consumes no per-token output: one final delta, then the receipt
         async for ev in engine.execute(prep, stream=False):
@@ -585,14 +591,15 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
                        contents: list[str], target: str, max_tokens: int, run_id: str,
                        engine_kwargs: Mapping[str, Any], progress: bool = True, writer: ReceiptsWriter | None = None,
                        done: Mapping[Any, Mapping[str, Any]] | None = None,
-                       stop: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                       stop: dict[str, Any] | None = None, resume: bool = False) -> list[dict[str, Any]]:
     """Validate every row, then run the valid ones concurrently through one engine; one receipt per prompt,
     one per sample for a ``"n" > 1`` row (:func:`run_group`; ``rejected`` for rows refused before inference),
     returned in input order (then sample order) and, with ``writer``, appended to it as each request ends.
     ``done``: receipts of an earlier run (``--resume``, keyed by :func:`receipt_key`): rows with a ready one
     are skipped, and of a group only the samples without a ready receipt run again (as a new group attempt
-    with its own prompt part). ``stop``: filled with ``{"signal": signum}`` when SIGINT/SIGTERM stopped the
-    run."""
+    with its own prompt part). ``resume``: this is a ``--resume`` run (objects an earlier run stored are
+    recognised by read-back, even without a journal or any receipt). ``stop``: filled with ``{"signal":
+    signum}`` when SIGINT/SIGTERM stopped the run."""
     from tqdm import tqdm
 
     done = done or {}
@@ -629,7 +636,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         else:
             continue
         todo.pop(i, None)
-    if done and specs:  # --resume: objects a crashed run stored are recognised by SHA-256 read-back
+    if (done or resume) and specs:  # --resume: objects a crashed run stored are recognised by SHA-256 read-back
         intents: dict[str, list[dict[str, Any]]] = {}
         for d in (journal.deliveries() if journal is not None else []):
             intents.setdefault(d["object_id"], []).append(d)
@@ -696,7 +703,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
                 bar.update(1)
                 return out
             receipt = await run_row(engine, i, row, specs[i], settings, journal, max_tokens,
-                                    on_generated=lambda: delivering.add(i))  # from here on a stop drains
+                                    on_generated=lambda: delivering.add(i), resume=resume)  # from here on a stop drains
             emit(i, receipt)
             bar.update(1)
             return receipt
@@ -793,7 +800,8 @@ def run_generate_cli(args: argparse.Namespace) -> int:
         else:
             receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
                                                 target=args.target, max_tokens=args.max_tokens, run_id=run_id,
-                                                engine_kwargs=kwargs, writer=writer, done=done, stop=stop))
+                                                engine_kwargs=kwargs, writer=writer, done=done, stop=stop,
+                                                resume=resume))
     except _Interrupted as e:  # raised inside the event loop's own code during start-up; the run's
         stop["signal"] = e.signum  # cleanup (receipts, engine shutdown) already ran when asyncio.run cancelled it
         receipts = []

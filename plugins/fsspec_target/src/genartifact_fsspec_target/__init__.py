@@ -28,10 +28,13 @@ existence check and the write (the store is only visible inside the process, so 
 S3 (``s3://``, ``s3a://``) goes through one aiobotocore client per profile and event loop (created on first use,
 closed when the loop shuts down its async generators): one ``PutObject`` with ``If-None-Match: *``
 (conditional create; a second write of the key fails with 412 and is reported as ``object_exists``), never
-multipart, and no flexible checksum header unless the profile asks for it (``checksum``). When a PUT meets
-412 the stored object's size is asked first (HEAD); only an object of exactly our size is read back, streamed
+multipart, and no flexible checksum header unless the profile asks for it (``checksum``). A 412 on the
+delivery's first PUT is ``object_exists`` (the object was there before this delivery, even with identical
+bytes: a duplicate request never reads as ready). When a *resent* PUT (botocore's ``RetryAttempts`` > 0) meets
+412, the stored object's size is asked first (HEAD); only an object of exactly our size is read back, streamed
 and hashed, never more than ``max_bytes``: identical SHA-256 means an earlier attempt of ours landed
-(success), anything else is ``object_exists``. ETags are never used as digests.
+(success), anything else is ``object_exists``. A 409 (a concurrent conditional write) is always
+``object_exists``. ETags are never used as digests.
 
 Default timeouts: connect 5 s (a healthy object store answers in milliseconds; a dead endpoint should fail
 fast enough to leave retry budget), read 30 s (one 64 MiB PUT at >= 3 MB/s), whole delivery 60 s (bounds the
@@ -493,7 +496,13 @@ async def _read(prof: Profile, key: str, max_bytes: int) -> bytes | None:
         return await asyncio.to_thread(_local_read, prof, key, max_bytes)
     if prof.is_s3:
         client = await s3_client(prof)
-        data = await _s3_read(client, prof, key, max_bytes)
+        try:
+            data = await _s3_read(client, prof, key, max_bytes)
+        except ObjectTooLargeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - 403/5xx/timeouts: an error, never "absent"; no provider detail
+            log.warning("managed_read_failed", profile=prof.name, error_type=type(e).__name__)
+            raise TargetError("managed_fsspec read-back failed") from None
         if data is None:
             raise ObjectNotFoundError("managed_fsspec object does not exist")
         return data
@@ -696,7 +705,11 @@ async def _write_s3_create_only(prof: Profile, key: str, data: bytes, sha256: st
             status, code = _client_error(e)
             if status not in (412, 409) and code not in ("PreconditionFailed", "ConditionalRequestConflict"):
                 raise
-            if status == 409 or not await _s3_matches(client, prof, key, sha256, len(data)):
+            # only a resend can meet our own earlier attempt: a 412 on this call's first PUT (botocore's
+            # RetryAttempts == 0) is an object that was there before this delivery, whatever its bytes
+            retried = int(((getattr(e, "response", None) or {}).get("ResponseMetadata") or {})
+                          .get("RetryAttempts") or 0)
+            if status == 409 or not retried or not await _s3_matches(client, prof, key, sha256, len(data)):
                 raise DeliveryError("managed artifact object already exists", "object_exists") from None
             log.info("managed_put_idempotent", profile=prof.name)  # an earlier attempt of ours landed
     except DeliveryError:

@@ -3,7 +3,9 @@
 Rows: ``prompt + completion - 1 - routes_start`` (the last sampled token is never forwarded), shape
 ``[rows, routers, top_k]``; stored router-major ``[routers, rows, top_k]`` (uint8 if <= 256 experts else
 uint16). Row *i* is the routing of absolute position ``routes_start + i``; ``routes_start`` is the request's
-``routed_experts_prompt_start`` clamped to the prompt (vLLM's ``SamplingParams`` field of that name).
+``routed_experts_prompt_start`` (vLLM's ``SamplingParams`` field of that name), 0..prompt length: a start beyond
+the prompt is refused at admission, as vLLM's input processor refuses it, so the section's ``token_start``
+(effective) and ``requested_token_start`` (requested) are equal in every object this producer writes.
 
 Two capture paths behind this one content:
 
@@ -85,6 +87,8 @@ class MoeRoutes:
         self.capture_id = uuid.uuid4().hex
         extra = dict(params.get("extra_args") or {})
         extra[CAPTURE_KEY] = self.capture_id
+        if self.start:  # the worker hands rows over from here (out-of-band handover)
+            extra["genartifact_routes_start"] = self.start
         params["extra_args"] = extra
 
     # capture --------------------------------------------------------------------------------------
@@ -134,6 +138,10 @@ class MoeRoutes:
         lay = self._lay()
         rows = max(0, positions - self.start)
         arr = np.frombuffer(r["data"], dtype=np.dtype(r["dtype"])).reshape(r["shape"])
+        if arr.ndim == 3 and arr.shape[1] > rows:  # handed over up to the last forwarded position: trim
+            arr = arr[:, :rows]
+            if r.get("missing") is not None and r["missing"][0] >= self.start + rows:
+                r = {**r, "missing": None}  # the holes lie beyond the completion the engine reported
         if arr.shape != (lay.routers, rows, lay.top_k):
             raise CaptureError(f"moe_routes: worker rows shape {arr.shape}; expected {(lay.routers, rows, lay.top_k)}")
         if r.get("missing") is not None:
@@ -158,7 +166,8 @@ class MoeRoutes:
                 f"moe_routes: {self._routes.shape[1]} rows captured; expected prompt + completion - 1 - start = {rows}"
             )
         section = {
-            "token_start": self.start,
+            "token_start": self.start,  # effective start: row 0 is this absolute position
+            "requested_token_start": self.start,  # as requested (equal: a start beyond the prompt is refused)
             "router_ids": list(lay.router_ids),
             "expert_counts": [lay.num_experts] * lay.routers,
             "top_k": lay.top_k,
@@ -177,7 +186,9 @@ class MoeRoutes:
 class MoeRoutesReader:
     """Strict decode-side checks, typed view and ``inspect`` summary of ``moe_routes`` (no engine imports).
 
-    Section keys: ``token_start`` (int, 0..P), ``router_ids`` (ascending unique ints), ``expert_counts`` (ints
+    Section keys: ``token_start`` (int, 0..P: the effective start), ``requested_token_start`` (optional, v1
+    addition: the request's ``routed_experts_prompt_start``; int >= ``token_start`` — a producer may only clamp
+    down; objects written before it was added have none), ``router_ids`` (ascending unique ints), ``expert_counts`` (ints
     1..65536, one per router), ``top_k`` (int >= 1), ``layout`` (``"router_major"``), ``source`` (optional).
     Tensor ``moe_routes.expert_ids``: ``[routers, rows, top_k]`` with rows = ``P + C - 1 - token_start``, dtype
     ``u8`` when every router has <= 256 experts else ``u16``, each id < its router's expert count."""
@@ -199,6 +210,10 @@ class MoeRoutesReader:
             raise ArtifactFormatError(f"moe_routes layout {s['layout']!r}; allowed: 'router_major'")
         if not _is_int(start) or not 0 <= start <= p:
             raise ArtifactFormatError(f"moe_routes token_start {start!r} out of range 0..{p}")
+        req = s.get("requested_token_start", start)
+        if not _is_int(req) or req < start:
+            raise ArtifactFormatError(f"moe_routes requested_token_start {req!r} must be an integer >= token_start "
+                                      f"{start} (the effective start is never above the requested one)")
         if rows != max(0, p + c - 1 - start):
             raise ArtifactFormatError(
                 f"moe_routes rows {rows} != prompt + completion - 1 - token_start = {max(0, p + c - 1 - start)}")
@@ -229,7 +244,8 @@ class MoeRoutesReader:
     def summary(self, manifest: Mapping[str, Any], s: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         routes = self.view(manifest, s, tensors)
         return {"rows": int(routes.shape[0]), "routers": s["router_ids"], "top_k": s["top_k"],
-                "token_start": s["token_start"], "source": s.get("source"),
+                "token_start": s["token_start"], "requested_token_start": s.get("requested_token_start"),
+                "source": s.get("source"),
                 "first_row": routes[0].tolist() if routes.shape[0] else []}
 
     def summary_text(self, summary: Mapping[str, Any]) -> str:
