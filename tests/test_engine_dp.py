@@ -33,7 +33,8 @@ async def dp_engine(host, qwen_model):
 async def test_dp2_every_artifact_ready_and_oracle_exact(dp_engine, qwen_model, tmp_path):
     assert [(w["dp_rank"], w["capturing"]) for w in dp_engine.workers] == [(0, True), (1, True)]
     # both engines' capturing workers hand rows over out of band (same machine)
-    assert dp_engine.handover is not None and dp_engine.handover.contents == {"moe_routes", "selected_logprobs"}
+    assert dp_engine.handover is not None
+    assert dp_engine.handover.contents >= {"moe_routes", "selected_logprobs", "moe_route_weights"}
     before = await worker_steps(dp_engine)
     res = await run_six(dp_engine, tmp_path)
     got = check(res, qwen_model, tmp_path)

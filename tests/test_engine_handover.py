@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.engine]
 async_engine = pytest.mark.asyncio(loop_scope="session")
 
 
+CONTENTS = ("moe_routes", "selected_logprobs", "moe_route_weights")  # the three with worker captures
+
+
 def rpc_methods(engine, monkeypatch) -> list[str]:
     seen: list[str] = []
     orig = engine._rpc
@@ -36,21 +39,21 @@ def rpc_methods(engine, monkeypatch) -> list[str]:
 @async_engine
 async def test_rows_come_out_of_band_without_rpc_and_match_the_rpc_path(engine, tmp_path, monkeypatch):
     ho = engine.handover
-    assert ho is not None and ho.contents == {"moe_routes", "selected_logprobs"}
+    assert ho is not None and ho.contents >= {"moe_routes", "selected_logprobs", "moe_route_weights"}
     assert Path(ho.dir).parent == Path("/dev/shm") and oct(Path(ho.dir).stat().st_mode & 0o777) == "0o700"
     tok = engine.tokenizer
     jobs = [(tok(t)["input_ids"], 5 + 3 * i, i % 3) for i, t in enumerate(TEXTS)]
 
     async def run_all():
         return await asyncio.gather(*(engine.run(ids, {"max_tokens": n, "temperature": 0.0, "logprobs": 0},
-                                                 spec(), settings(tmp_path), routes_start=start)
+                                                 spec(CONTENTS), settings(tmp_path), routes_start=start)
                                       for ids, n, start in jobs))
 
     seen = rpc_methods(engine, monkeypatch)
     taken = ho.taken
     oob = await run_all()
     assert not [m for m in seen if m.endswith(".fetch")], seen  # no fetch RPC: the engine loop never paused
-    assert ho.taken - taken == 2 * len(jobs) and ho.files() == []
+    assert ho.taken - taken == len(CONTENTS) * len(jobs) and ho.files() == []
     stats = await engine.worker_call("moe_routes.stats")
     assert stats[0]["handover"] and stats[0]["requests"] == 0 and stats[0]["retained_bytes"] == 0
 
@@ -61,12 +64,14 @@ async def test_rows_come_out_of_band_without_rpc_and_match_the_rpc_path(engine, 
         assert len([m for m in seen if m.endswith(".fetch")]) >= 1  # the fallback path really ran
         assert not list(Path(ho.dir).parent.glob(f"genartifact-{os.getpid()}-*/*.*"))
     finally:
-        assert await engine.set_handover(True) == ["moe_routes", "selected_logprobs"]
+        assert set(await engine.set_handover(True)) >= {"moe_routes", "selected_logprobs", "moe_route_weights"}
     for a, b in zip(oob, rpc, strict=True):
         assert a.receipt["state"] == b.receipt["state"] == "ready"
         assert a.completion_token_ids == b.completion_token_ids  # greedy: the same tokens both times
         ra, rb = read(tmp_path, a.receipt), read(tmp_path, b.receipt)
         assert np.array_equal(ra.routes(), rb.routes())
+        assert np.array_equal(ra.content("moe_route_weights"), rb.content("moe_route_weights"))
+        assert ra.content("moe_route_weights").shape == ra.routes().shape
         assert ra.routes().shape[0] == len(a.prompt_token_ids) + len(a.completion_token_ids) - 1 - \
             ra.manifest["sections"]["moe_routes"]["token_start"]
         assert ra.selected_logprobs().tolist() == rb.selected_logprobs().tolist()
