@@ -41,7 +41,7 @@ CASES: dict[str, tuple[bool, str]] = {
 }
 NOT_SCRIPTS = {"common.py"}  # shared helpers, imported by the scripts
 ENGINE_LANES = 3  # engine scripts at once (each starts 1-3 vLLM-CPU engines: memory and a 2-core box)
-TIMEOUT_S = 900
+TIMEOUT_S = 1800  # per script; a shared 2-core box at load ~20 took 14 min for the slowest lane
 
 
 def test_every_benchmark_script_has_a_smoke_case():
