@@ -36,8 +36,10 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_load.py": (False, r"^RATIO loaders / bare s3fs .*median-of-rounds \d"),
     "bench_per_step_deltas.py": (True, r"^RATIO per-step / final-only tokens/s: median-of-rounds \d"),
     "bench_replicas.py": (True, r"^RATIO rows/s x2 / x1: \d"),
+    "bench_route_weights.py": (False, r"^RATIO stored bytes routes\+weights bf16 / routes only .*: \d"),
     "bench_serve.py": (True, r"^RATIO serving with / without artifacts, tokens/s: median-of-rounds \d"),
     "bench_upload.py": (False, r"^RATIO managed_fsspec s3 / bare boto3 put .*median-of-rounds \d"),
+    "profile_capture.py": (True, r"^RATIO capture on / off CPU per generated token .*: \d"),
 }
 NOT_SCRIPTS = {"common.py"}  # shared helpers, imported by the scripts
 ENGINE_LANES = 3  # engine scripts at once (each starts 1-3 vLLM-CPU engines: memory and a 2-core box)

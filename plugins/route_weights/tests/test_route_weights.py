@@ -151,6 +151,10 @@ def test_reader_validation():
         (np.full((2, 4, 2), -0.5, np.float32), section(), ">= 0"),
         (np.full((2, 4, 2), np.inf, np.float32), section(), "finite"),
         (w, {k: v for k, v in section().items() if k != "router_scale"}, "keys"),
+        (w, section(dtype=[]), "dtype"), (w, section(dtype=None), "dtype"), (w, section(token_start=None), "token_start"),
+        (w, section(token_start=True), "token_start"), (w, section(router_ids="ab"), "router_ids"),
+        (w, section(top_k=True), "top_k"), (w, section(output_scale=None), "output_scale"),
+        (w, section(output_scale=[True, 1.0]), "output_scale"), (w, section(layout=[]), "layout"),
     ]
     for arr, sec, match in bad:
         with pytest.raises(ArtifactFormatError, match=match):

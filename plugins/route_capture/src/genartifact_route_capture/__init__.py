@@ -87,6 +87,8 @@ class MoeRoutes:
         self.capture_id = uuid.uuid4().hex
         extra = dict(params.get("extra_args") or {})
         extra[CAPTURE_KEY] = self.capture_id
+        if self.start:  # the worker hands rows over from here (out-of-band handover)
+            extra["genartifact_routes_start"] = self.start
         params["extra_args"] = extra
 
     # capture --------------------------------------------------------------------------------------
@@ -136,6 +138,10 @@ class MoeRoutes:
         lay = self._lay()
         rows = max(0, positions - self.start)
         arr = np.frombuffer(r["data"], dtype=np.dtype(r["dtype"])).reshape(r["shape"])
+        if arr.ndim == 3 and arr.shape[1] > rows:  # handed over up to the last forwarded position: trim
+            arr = arr[:, :rows]
+            if r.get("missing") is not None and r["missing"][0] >= self.start + rows:
+                r = {**r, "missing": None}  # the holes lie beyond the completion the engine reported
         if arr.shape != (lay.routers, rows, lay.top_k):
             raise CaptureError(f"moe_routes: worker rows shape {arr.shape}; expected {(lay.routers, rows, lay.top_k)}")
         if r.get("missing") is not None:
