@@ -196,3 +196,15 @@ def test_plugins_check_names_a_bad_setting(tmp_path):
                        capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
     assert r.returncode == 1 and "[contents.moe_route_weights] dtype='fp16' invalid; allowed: ['bf16', 'f32']" in out, out
+
+
+@pytest.mark.parametrize("given", [{}, {"enable_prefix_caching": True}, {"enable_prefix_caching": None}])
+def test_engine_options_turn_prefix_caching_off_when_worker_capture_runs(given):
+    from genartifact_route_weights import genartifact_engine_options
+
+    opts = dict(given)
+    genartifact_engine_options(options=opts, worker_capture=True)
+    assert opts["enable_prefix_caching"] is False
+    untouched = dict(given)
+    genartifact_engine_options(options=untouched, worker_capture=False)  # no worker capture: nothing to protect
+    assert untouched == given
