@@ -237,7 +237,7 @@ class MoeRouteWeightsReader:
         if set(tensors) != {TENSOR}:
             raise ArtifactFormatError(f"{NAME} tensors {sorted(tensors)}; allowed exactly ['{TENSOR}']")
         w = tensors[TENSOR]
-        if s["dtype"] not in DTYPES:
+        if not isinstance(s["dtype"], str) or s["dtype"] not in DTYPES:
             raise ArtifactFormatError(f"{NAME} dtype {s['dtype']!r}; allowed: {sorted(DTYPES)}")
         if w.ndim != 3 or w.dtype != DTYPES[s["dtype"]]:
             raise ArtifactFormatError(f"{TENSOR} must be rank 3 [routers, rows, top_k] of "
