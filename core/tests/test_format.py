@@ -391,3 +391,20 @@ def test_manifest_of_exactly_the_limit_is_accepted_one_more_byte_is_not(monkeypa
     monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", limit)  # ...and the reader refuse it
     with pytest.raises(ArtifactFormatError, match=f"manifest length {limit + 1} exceeds limit {limit}"):
         fmt.decode(over.data)
+
+
+@pytest.mark.parametrize("p, c", [(0, 3), (4, 0), (0, 0)], ids=["empty-prompt", "no-completion", "no-tokens"])
+def test_edge_token_counts_round_trip(p, c):
+    """P = 0 (a zero-token prompt) and C = 0 (nothing sampled) are valid objects: encoded and read back; a
+    prompt count above the token count is refused by the encoder."""
+    tokens = np.arange(p + c, dtype=np.uint32)
+    inp = fmt.ArtifactInput(token_ids=tokens, prompt_token_count=p, contents=["selected_logprobs"],
+                            sections={"selected_logprobs": {"token_start": p}},
+                            tensors=[fmt.TensorPart("selected_logprobs.logprobs", np.full(c, -0.5, np.float32))],
+                            header={})
+    art = fmt.decode(fmt.encode(inp).data)
+    assert (art.manifest["prompt_token_count"], art.manifest["completion_token_count"]) == (p, c)
+    assert art.selected_logprobs().tolist() == [-0.5] * c
+    inp.prompt_token_count = p + c + 1
+    with pytest.raises(ArtifactFormatError, match="prompt_token_count"):
+        fmt.encode(inp)
