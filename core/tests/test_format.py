@@ -408,3 +408,21 @@ def test_edge_token_counts_round_trip(p, c):
     inp.prompt_token_count = p + c + 1
     with pytest.raises(ArtifactFormatError, match="prompt_token_count"):
         fmt.encode(inp)
+
+
+def test_frame_walk_names_an_oversized_block_and_a_torn_block_header():
+    """RFC 8878: a block holds at most 128 KiB; the frame walk refuses a larger one by name before anything is
+    decompressed, and a frame cut inside a 3-byte block header is truncated."""
+    body = bytes(200 << 10)
+    real = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False).compress(body)
+    hs = zstandard.frame_header_size(real)
+    big = (1 | (0 << 1) | ((200 << 10) << 3)).to_bytes(3, "little")  # last, raw, 200 KiB
+    with pytest.raises(ArtifactFormatError, match="block larger than 128 KiB"):
+        fmt.decode(GOOD[:16] + real[:hs] + big + body)
+    ok = (1 | (0 << 1) | ((128 << 10) << 3)).to_bytes(3, "little")  # exactly 128 KiB passes the walk
+    with pytest.raises(ArtifactFormatError) as e:
+        fmt.decode(GOOD[:16] + real[:hs] + ok + bytes(128 << 10))
+    assert "128 KiB" not in str(e.value)  # refused later (the declared size), not as an oversized block
+    for cut in (1, 2):
+        with pytest.raises(ArtifactFormatError, match="truncated zstd frame"):
+            fmt.decode(GOOD[:16] + real[:hs] + big[:cut])
