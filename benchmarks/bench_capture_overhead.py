@@ -120,6 +120,8 @@ async def main_async(args) -> None:
     root = Path(tempfile.mkdtemp(prefix="ga-bench-"))
     par = {"tensor_parallel_size": args.tensor_parallel_size, "seed": 0}
     eng = await VllmEngine(host, args.model, **par).start()
+    if args.rpc_fetch:  # the path before out-of-band handover, for before/after comparisons
+        await eng.set_handover(False)
     llm = None
     try:
         ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
@@ -163,7 +165,8 @@ async def main_async(args) -> None:
             llm.shutdown()
     print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
           f"alternated in rotating order, TP={args.tensor_parallel_size}, "
-          f"{'per-step DELTA' if STREAM[0] else 'FINAL_ONLY'} outputs; {load_line()}")
+          f"{'per-step DELTA' if STREAM[0] else 'FINAL_ONLY'} outputs, worker rows "
+          f"{'by RPC' if args.rpc_fetch else 'out of band'}; {load_line()}")
     for side in sides:
         print(side_line(side, tps[side], "tok/s"))
     print(ratio_line("capture on / off (same engine)", tps["on"], tps["off (same engine)"], ">= 0.95"))
@@ -190,6 +193,8 @@ def main() -> None:
     ap.add_argument("--final-only", action="store_true", help="one final output per request (the generate job's mode)")
     ap.add_argument("--target-url", default="", help="managed_fsspec profile URL (default: a temp dir, file://)")
     ap.add_argument("--no-detokenize", action="store_true", help="detokenize=False for every request (token-in/out)")
+    ap.add_argument("--rpc-fetch", action="store_true",
+                    help="fetch worker rows by collective_rpc instead of the out-of-band handover")
     add_smoke(ap)
     args = ap.parse_args()
     if args.smoke:

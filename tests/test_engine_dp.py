@@ -32,6 +32,9 @@ async def dp_engine(host, qwen_model):
 
 async def test_dp2_every_artifact_ready_and_oracle_exact(dp_engine, qwen_model, tmp_path):
     assert [(w["dp_rank"], w["capturing"]) for w in dp_engine.workers] == [(0, True), (1, True)]
+    # both engines' capturing workers hand rows over out of band (same machine)
+    assert dp_engine.handover is not None
+    assert dp_engine.handover.contents >= {"moe_routes", "selected_logprobs", "moe_route_weights"}
     before = await worker_steps(dp_engine)
     res = await run_six(dp_engine, tmp_path)
     got = check(res, qwen_model, tmp_path)
@@ -42,19 +45,36 @@ async def test_dp2_every_artifact_ready_and_oracle_exact(dp_engine, qwen_model, 
     served = [a[2] - b[2] for a, b in zip(after, before, strict=True)]
     assert [a[0] for a in after] == [0, 1] and all(n > 0 for n in served), served  # both engines did work
     assert all(s["requests"] == 0 for s in await dp_engine.worker_call("moe_routes.stats"))
+    assert dp_engine.handover.files() == []
+    await dp_engine.set_handover(False)  # the RPC fallback path on both engines
+    try:
+        got = check(await run_six(dp_engine, tmp_path), qwen_model, tmp_path)
+        assert got["ready"] == 6 and got["route_agreement_min"] >= 0.97, got["failures"]
+    finally:
+        await dp_engine.set_handover(True)
 
 
 async def test_dp2_engine0_only_answer_names_the_real_cause(dp_engine, tmp_path):
     """What vLLM's own ``collective_rpc`` gives (engine 0's workers only) cannot find engine 1's rows, and the
     failure says so instead of "no worker recorded rows"."""
-    from genartifact.engine.worker_ext import RPC, fetch_capture
-    from genartifact.errors import CaptureError
+    from genartifact.engine.worker_ext import RPC
 
     class Engine0Only:
         data_parallel_size = 2
 
         async def worker_call(self, method, *args):
             return await dp_engine.llm.collective_rpc(RPC, args=(method, *args))
+
+    await dp_engine.set_handover(False)  # this is about the RPC path's answers
+    try:
+        await _engine0_only(dp_engine, tmp_path, Engine0Only)
+    finally:
+        await dp_engine.set_handover(True)
+
+
+async def _engine0_only(dp_engine, tmp_path, Engine0Only):
+    from genartifact.engine.worker_ext import fetch_capture
+    from genartifact.errors import CaptureError
 
     ids = dp_engine.tokenizer(TEXTS[0])["input_ids"]
     prep = [dp_engine.prepare(ids, {"max_tokens": 3}, spec(["moe_routes"]), settings(tmp_path)) for _ in range(2)]

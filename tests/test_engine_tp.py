@@ -42,3 +42,12 @@ async def test_tp2_one_rank_records_and_artifacts_exact(tp_engine, qwen_model, t
     assert len(stats) == 2 and sum(s is None for s in stats) == 1  # rank 1 holds and sends nothing
     rank0 = next(s for s in stats if s is not None)
     assert rank0["tp_rank"] == 0 and rank0["steps"] > 0 and rank0["requests"] == 0
+    # rank 0 handed the rows over out of band (no fetch RPC reached either rank); the RPC fallback gives the same
+    assert tp_engine.handover is not None and rank0["handover"] and rank0["handed_over"] >= 12
+    assert tp_engine.handover.files() == []
+    await tp_engine.set_handover(False)
+    try:
+        got = check(await run_six(tp_engine, tmp_path), qwen_model, tmp_path)
+        assert got["ready"] == 6 and got["route_agreement_min"] >= 0.97, got["failures"]
+    finally:
+        await tp_engine.set_handover(True)

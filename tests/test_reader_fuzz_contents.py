@@ -1,4 +1,4 @@
-"""Hostile manifests of valid objects holding moe_routes, selected_logprobs and top_logprobs: section values of
+"""Hostile manifests of valid objects holding moe_routes, selected_logprobs, top_logprobs and moe_route_weights: section values of
 the wrong type, negative/huge counts, tensor refs with mismatched shape/dtype/offsets. Whatever the mutation,
 ``decode`` raises only ArtifactFormatError, and an object it accepts is safe for every reader path after it
 (typed views, content summaries, every loader layout): only ArtifactFormatError/LayoutError, never
@@ -13,6 +13,7 @@ from genartifact import format as fmt
 from genartifact import loaders
 from genartifact.errors import ArtifactFormatError
 from genartifact.testing import hostile
+from genartifact_route_weights import to_bf16_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,13 +27,21 @@ def _valid(seed: int) -> bytes:
     start = int(rng.integers(0, p + 1))
     rows = p + c - 1 - start
     lps = -np.sort(rng.random((c, tk)).astype(np.float32), axis=1)
+    rids = sorted(rng.choice(40, routers, replace=False).tolist())
+    wdt = "bf16" if seed % 2 else "f32"
+    w = rng.random((routers, rows, k)).astype(np.float32)
+    w = to_bf16_bits(w) if wdt == "bf16" else w
     return fmt.encode(fmt.ArtifactInput(
         token_ids=rng.integers(0, 50000, p + c).astype(np.uint32), prompt_token_count=p,
-        contents=["moe_routes", "selected_logprobs", "top_logprobs"],
-        sections={"moe_routes": {"token_start": start, "router_ids": sorted(rng.choice(40, routers, replace=False).tolist()),
+        contents=["moe_route_weights", "moe_routes", "selected_logprobs", "top_logprobs"],
+        sections={"moe_routes": {"token_start": start, "router_ids": rids,
                                  "expert_counts": [8] * routers, "top_k": k, "layout": "router_major", "source": "t"},
+                  "moe_route_weights": {"token_start": start, "router_ids": rids, "top_k": k, "dtype": wdt,
+                                        "layout": "router_major", "router_scale": [1.0] * routers,
+                                        "output_scale": [2.5] * routers, "source": "t"},
                   "selected_logprobs": {"token_start": p}, "top_logprobs": {"token_start": p, "k": tk}},
-        tensors=[fmt.TensorPart("moe_routes.expert_ids", rng.integers(0, 8, (routers, rows, k)).astype(np.uint8)),
+        tensors=[fmt.TensorPart("moe_route_weights.weights", w),
+                 fmt.TensorPart("moe_routes.expert_ids", rng.integers(0, 8, (routers, rows, k)).astype(np.uint8)),
                  fmt.TensorPart("selected_logprobs.logprobs", -rng.random(c).astype(np.float32)),
                  fmt.TensorPart("top_logprobs.logprobs", np.ascontiguousarray(lps)),
                  fmt.TensorPart("top_logprobs.token_ids", rng.integers(0, 50000, (c, tk)).astype(np.uint32))],
@@ -88,7 +97,10 @@ def _after_decode(art: fmt.Artifact) -> None:
              lambda: loaders.verl(art, padded_prompt_len=p, total_len=t, num_layers=64),
              lambda: loaders.slime(art), lambda: loaders.nemo_rl(art), lambda: loaders.raw(art),
              lambda: loaders.packed([art, art]), lambda: loaders.top_logprobs(art),
-             lambda: loaders.stitch_turns([art])]
+             lambda: loaders.stitch_turns([art]), lambda: art.content("moe_route_weights"),
+             lambda: loaders.route_weights(art), lambda: loaders.raw(art, weights=True).weights(),
+             lambda: loaders.verl(art, padded_prompt_len=p, total_len=t, num_layers=64, weights=True),
+             lambda: loaders.packed([art, art], weights=True)]
     for call in calls:
         try:
             call()
@@ -116,3 +128,4 @@ def test_seeds_are_valid_and_fully_readable():
         _after_decode(art)
         ids, lps = loaders.top_logprobs(art)
         assert ids.shape == lps.shape == (art.manifest["completion_token_count"], 3)
+        assert loaders.route_weights(art).shape == art.routes().shape

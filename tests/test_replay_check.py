@@ -154,3 +154,38 @@ def test_receipts_file_through_the_configured_target(tmp_path, capsys):
     receipts.write_text(json.dumps(failed) + "\n")
     with pytest.raises(rc.ReplayCheckError, match="no artifact to check"):
         rc.run(args(model, [receipts], config=cfg))
+
+
+def test_route_weights_agreement_reported_and_checked(family, tmp_path, capsys):
+    """An artifact whose moe_route_weights are the oracle router's own weights (scaled down by an output_scale
+    the section declares) passes with |diff| ~0; tampered weights fail --max-weight-diff (exit 1)."""
+    name, model, oracle = family
+    tokens = np.random.default_rng(2).integers(5, 200, 30).astype(np.uint32)
+    art = fmt.decode(oracle_artifact(oracle, tokens, p=20, start=2))
+    seen, _ = oracle.run(tokens[:-1])
+    layers = sorted(seen)
+    w = np.stack([seen[i][2] for i in layers], 0)[:, 2:].astype(np.float32) / 2.0  # router weights; output x2
+
+    def with_weights(weights):
+        sec = dict(art.manifest["sections"])
+        sec["moe_route_weights"] = {"token_start": 2, "router_ids": layers, "top_k": int(w.shape[2]), "dtype": "f32",
+                                    "layout": "router_major", "router_scale": [1.0] * len(layers),
+                                    "output_scale": [2.0] * len(layers)}
+        parts = [fmt.TensorPart(n, np.array(t)) for n, t in art.tensors.items() if n != "token_ids"]
+        f = tmp_path / f"w{len(list(tmp_path.iterdir()))}.gart"
+        f.write_bytes(fmt.encode(fmt.ArtifactInput(art.token_ids, art.prompt_token_count,
+                                                   [*art.contents, "moe_route_weights"], sec,
+                                                   [*parts, fmt.TensorPart("moe_route_weights.weights", weights)],
+                                                   art.manifest["header"])).data)
+        return f
+
+    good = with_weights(w)
+    assert rc.run(args(model, [good], json="-", max_weight_diff=1e-6)) == 0
+    rep = json.loads(capsys.readouterr().out)["artifacts"][0]
+    assert all(x["weight_rows"] == x["rows"] == 27 and x["weight_max_abs_diff"] < 1e-6 for x in rep["layers"])
+    bad_w = w.copy()
+    bad_w[0, 5] *= 0.5  # one row not renormalised (its weights sum to 0.5)
+    bad = with_weights(bad_w)
+    assert rc.run(args(model, [bad], max_weight_diff=0.01)) == 1
+    out = capsys.readouterr().out
+    assert f"layer {layers[0]}: route weights max |diff|" in out and "FAIL" in out

@@ -107,3 +107,28 @@ async def test_admission_counts_weight_bytes_and_refuses_before_inference(engine
     after = [(await engine.worker_call(f"{c}.stats"))[0]["steps"] for c in ("moe_routes", "moe_route_weights")]
     assert after == before  # the engine did no work for it
     assert not any(tmp_path.rglob("*.gart"))
+
+
+async def test_aborted_request_leaves_no_worker_rows(engine, tmp_path):
+    """A request cancelled mid-generation (client gone: vLLM abort) has its worker-side weight rows discarded,
+    like moe_routes'; the worker retains nothing once no flagged request is live."""
+    ids = engine.tokenizer(TEXTS[5])["input_ids"]
+    before = (await engine.worker_call("moe_route_weights.stats"))[0]["steps"]
+    task = asyncio.ensure_future(engine.run(ids, {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True},
+                                            spec(CONTENTS), settings(tmp_path)))
+    for _ in range(600):  # until the worker has recorded a few steps of it
+        await asyncio.sleep(0.05)
+        if (await engine.worker_call("moe_route_weights.stats"))[0]["steps"] >= before + 3:
+            break
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        stats = {c: (await engine.worker_call(f"{c}.stats"))[0] for c in ("moe_routes", "moe_route_weights")}
+        if all(s["requests"] == 0 and s["live_flagged"] == 0 for s in stats.values()):
+            break
+        await asyncio.sleep(0.1)
+    assert stats["moe_route_weights"]["requests"] == 0 and stats["moe_route_weights"]["retained_bytes"] == 0, stats
+    assert stats["moe_routes"]["requests"] == 0, stats
+    assert not any(tmp_path.rglob("*.gart"))

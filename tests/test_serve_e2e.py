@@ -14,6 +14,7 @@ import time
 import uuid
 
 import httpx
+import numpy as np
 import psutil
 import pytest
 from genartifact import format as fmt
@@ -33,7 +34,7 @@ def server(qwen_model, tmp_path_factory):
     cfg = root / "genartifact.toml"
     cfg.write_text(f"""
 [plugins]
-contents = ["moe_routes", "selected_logprobs", "top_logprobs"]
+contents = ["moe_routes", "selected_logprobs", "top_logprobs", "moe_route_weights"]
 targets = ["managed_fsspec"]
 [targets.managed_fsspec.profiles.local]
 url = "{root}/store"
@@ -165,6 +166,37 @@ def test_generate_token_ids_and_logprobs_align_with_artifact(server):
     assert art.token_ids.tolist() == [5, 6, 7, 8, 9] + r["token_ids"]
     assert art.selected_logprobs().tolist() == pytest.approx(r["logprobs"], abs=0)
     assert art.manifest["sections"]["moe_routes"]["token_start"] == 2 and art.routes().shape[0] == 5 + 6 - 1 - 2
+
+
+def test_route_weights_through_the_artifact_field(server):
+    """moe_route_weights asked for in the request's artifact field (completions streamed, chat, /generate with
+    routed_experts_prompt_start): weights aligned 1:1 with the routes and equal to HF's router (fp32, 1e-5 as
+    in tests/test_route_weights_engine.py)."""
+    from genartifact_route_capture import replay_check as rc
+
+    from conftest import tiny_model
+
+    want = ["moe_routes", "moe_route_weights"]
+    base = server["base"]
+    s = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "The ocean is deep", "max_tokens": 7,
+                                                  "stream": True, "generation_artifact": artifact(contents=want)},
+                   timeout=60)
+    finals = [json.loads(x[6:]) for x in s.text.splitlines() if x.startswith("data: {")]
+    c = httpx.post(f"{base}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5,
+        "generation_artifact": artifact(contents=want)}, timeout=60).json()
+    g = httpx.post(f"{base}/generate", json={"token_ids": [5, 6, 7, 8, 9, 10], "sampling_params": {
+        "max_tokens": 6, "temperature": 1.0, "routed_experts_prompt_start": 3},
+        "generation_artifact": artifact(contents=want)}, timeout=60).json()
+    oracle = rc.HFOracle(tiny_model("qwen3_moe"))
+    for receipt in (finals[-1]["generation_artifact"], c["generation_artifact"], g["generation_artifact"]):
+        art = read(server, receipt)
+        assert art.contents == ["moe_route_weights", "moe_routes"]
+        w = art.content("moe_route_weights")
+        assert w.shape == art.routes().shape and np.abs(w.sum(-1) - 1).max() < 1e-5
+        rep = rc.compare(art, oracle)
+        assert not rc.verdict(rep, 0.99, 0.05, 1e-5), rep
+    assert art.manifest["sections"]["moe_route_weights"]["token_start"] == 3 and w.shape[0] == 6 + 6 - 1 - 3
 
 
 @pytest.mark.parametrize(

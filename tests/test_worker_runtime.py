@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pluggy
@@ -64,13 +65,13 @@ class FakeEP:
         return sys.modules[self.value]
 
 
-def make_host(fail_in=None):
+def make_host(fail_in=None, cls=None):
     mod = types.ModuleType("fake_worker_content")
 
     @hookimpl
     def genartifact_worker_capture(worker, settings):
         worker.settings_seen = settings
-        return Recorder(worker, fail_in)
+        return (cls or Recorder)(worker, fail_in)
 
     mod.genartifact_worker_capture = genartifact_worker_capture
     sys.modules[mod.__name__] = mod
@@ -274,3 +275,126 @@ async def test_worker_init_failure_is_a_start_error_and_a_missing_method_turns_c
         await eng._init_workers()
     eng.llm = FakeLLM("AttributeError: 'CPUWorker' object has no attribute 'genartifact_call'")
     assert await eng._init_workers() == set() and eng.workers == []
+
+
+# ------------------------------------------------------------------- out-of-band handover (no collective_rpc)
+
+class HandingRecorder(Recorder):
+    def handover(self, cid, extra_args):
+        rows = self.rows.pop(cid, None)
+        return None if rows is None else {"rows": rows, "extra": dict(extra_args)}
+
+
+def handing_host(fail_in=None):
+    return make_host(fail_in, HandingRecorder)
+
+
+class HandoverEngine:
+    """A driver-side engine handle over one fake worker runtime: worker_call is the RPC path."""
+
+    def __init__(self, rt, handover):
+        self.rt, self.handover, self.rpcs, self.data_parallel_size = rt, handover, [], 1
+
+    async def worker_call(self, method, *args):
+        self.rpcs.append(method)
+        return [self.rt.call(method, args)]
+
+
+def run_request(mr, rid, cid, tokens=(5, 1, 1)):
+    mr.execute_model(step([NS(req_id=rid, sampling_params=NS(extra_args={"fake_id": cid, "start": 3}))],
+                          sched={rid: tokens[0]}))
+    mr.sample_tokens(None)
+    for n in tokens[1:]:
+        mr.execute_model(step(sched={rid: n}))
+        mr.sample_tokens(None)
+
+
+async def test_handover_writes_finished_rows_out_of_band_and_fetch_needs_no_rpc(tmp_path):
+    from genartifact.engine.worker_ext import Handover
+
+    ho = Handover(str(tmp_path))
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host())
+    assert rt.answer()["handover"] == ["fake"]
+    ho.contents = {"fake"}
+    eng = HandoverEngine(rt, ho)
+    run_request(w.model_runner, "r1", "c1")
+    assert ho.files() == []  # nothing before vLLM tells the worker that the request finished
+    w.model_runner.execute_model(step(finished=["r1"]))  # the engine core's step after the last one
+    assert ho.files() == ["fake.c1"]
+    got = await fetch_capture(eng, "fake", "c1", "ignored-args")
+    assert got == {"rows": [5, 1, 1], "extra": {"fake_id": "c1", "start": 3}}
+    assert eng.rpcs == [] and ho.files() == [] and rt.call("fake.stats", [])["requests"] == 0
+    with pytest.raises(CaptureError, match="already handed over"):  # second fetch: file gone, worker names it
+        await _fetch_no_wait(eng, "c1")
+    ho.close()
+    assert not (tmp_path / ho.dir).exists()
+
+
+async def _fetch_no_wait(eng, cid):
+    import genartifact.engine.worker_ext as wx
+
+    old, wx.HANDOVER_WAIT_S = wx.HANDOVER_WAIT_S, 0.01
+    try:
+        return await wx.fetch_capture(eng, "fake", cid)
+    finally:
+        wx.HANDOVER_WAIT_S = old
+
+
+async def test_handover_falls_back_to_rpc_and_reports_failures_and_discards(tmp_path, monkeypatch):
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.01)
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    # a worker on another machine (token differs): no handover, fetch by RPC
+    w2 = fake_worker()
+    rt2 = WorkerRuntime(w2, {**CFG, "handover": {"dir": ho.dir, "token": "other"}}, host=handing_host())
+    assert rt2.answer()["handover"] == [] and rt2.handover_dir is None
+    eng2 = HandoverEngine(rt2, ho)
+    run_request(w2.model_runner, "r1", "c1")
+    w2.model_runner.execute_model(step(finished=["r1"]))
+    assert ho.files() == []
+    assert (await wx.fetch_capture(eng2, "fake", "c1")) == [5, 1, 1] and eng2.rpcs == ["fake.fetch"]
+    # same machine: a failed step hook travels in the file; a discarded request leaves no file behind
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host("begin"))
+    eng = HandoverEngine(rt, ho)
+    run_request(w.model_runner, "r2", "c2")
+    w.model_runner.execute_model(step(finished=["r2"]))
+    with pytest.raises(CaptureError, match="capture failed.*boom"):
+        await wx.fetch_capture(eng, "fake", "c2")
+    rt.failed["fake"].clear()
+    rt.captures["fake"].fail_in = None
+    run_request(w.model_runner, "r3", "c3")
+    await wx.discard_capture(eng, "fake", "c3")  # cancelled before the worker learnt it finished
+    w.model_runner.execute_model(step(finished=["r3"]))
+    run_request(w.model_runner, "r4", "c4")
+    w.model_runner.execute_model(step(finished=["r4"]))
+    assert ho.files() == ["fake.c4"]
+    await wx.discard_capture(eng, "fake", "c4")  # cancelled after the file was written
+    assert ho.files() == []
+    # a handover file that cannot be written (folder gone) is reported through the RPC fetch
+    ho.close()
+    run_request(w.model_runner, "r5", "c5")
+    w.model_runner.execute_model(step(finished=["r5"]))
+    with pytest.raises(CaptureError, match="handover write failed"):
+        await wx.fetch_capture(eng, "fake", "c5")
+
+
+def test_stale_handover_folders_of_dead_drivers_are_swept(tmp_path):
+    import subprocess
+
+    from genartifact.engine.worker_ext import Handover, sweep_handover_dirs
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    dead = tmp_path / f"genartifact-{p.pid}-abc"
+    dead.mkdir()
+    (dead / "moe_routes.x").write_bytes(b"rows")
+    live = Handover(str(tmp_path))
+    other = tmp_path / "unrelated"
+    other.mkdir()
+    assert not dead.exists() and Path(live.dir).exists() and other.exists()
+    assert sweep_handover_dirs(str(tmp_path)) == []  # this process is alive: its folder stays
+    live.close()

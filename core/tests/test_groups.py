@@ -286,3 +286,40 @@ def test_vouchers_include_referenced_prompt_parts():
          "group": {"prompt_part": {"object_id": "p:pp", "sha256": "b" * 64, "byte_count": 3}}}
     v = vouchers([], [r, {**r, "state": "failed", "group": {"prompt_part": {"object_id": "p:x", "sha256": "c" * 64}}}])
     assert v == {"p:s0": {"a" * 64}, "p:pp": {"b" * 64}}
+
+
+@pytest.mark.parametrize("mismatch_sample", [None, 1])
+def test_route_weights_are_deduplicated_with_the_routes(mismatch_sample):
+    """moe_route_weights rows are aligned 1:1 with moe_routes rows: they go to the prompt part with them, a row
+    whose weights differ stays with its sample, and join returns the full weights (real readers validate)."""
+    pytest.importorskip("genartifact_route_weights")
+    samples, _, _ = build(mismatch_sample=-1)
+    rng = np.random.default_rng(5)
+    shared_w = rng.random((R, P - 1, K)).astype(np.float32)
+    with_w = []
+    for k, x in enumerate(samples):
+        pw = shared_w.copy()
+        if k == mismatch_sample:
+            pw[0, 6] += 0.25  # only the weights of position 6 differ (same expert ids)
+        w = np.concatenate([pw, rng.random((R, C, K)).astype(np.float32)], axis=1)
+        sec = {"token_start": 0, "router_ids": [0, 2, 5], "top_k": K, "dtype": "f32", "layout": "router_major",
+               "router_scale": [1.0] * R, "output_scale": [1.0] * R}
+        with_w.append(fmt.ArtifactInput(x.token_ids, x.prompt_token_count, sorted([*x.contents, "moe_route_weights"]),
+                                        {**x.sections, "moe_route_weights": sec},
+                                        [*x.tensors, fmt.TensorPart(groups.WEIGHTS, w)]))
+    part = fmt.encode(groups.prompt_part(with_w, "gw"))
+    objs = {"mem:gw/p": part.data}
+    rec = {"object_id": "mem:gw/p", "sha256": part.sha256, "byte_count": part.byte_count}
+    recs = []
+    for k, sp in enumerate(groups.sample_parts(with_w, "gw", rec)):
+        assert sp.prompt_row_mismatches == (1 if k == mismatch_sample else 0)
+        assert sp.token_start == (6 if k == mismatch_sample else P - 1)
+        enc = fmt.encode(sp.input)  # the weights reader checks alignment with moe_routes
+        objs[f"mem:w{k}"] = enc.data
+        recs.append({"state": "ready", "object_id": f"mem:w{k}", "sha256": enc.sha256, "byte_count": enc.byte_count})
+    res = groups.load_group(recs, MemTarget(objs))
+    assert not res.errors, res.errors
+    for k, x in enumerate(with_w):
+        full = ld.Routes.of(fmt.decode(fmt.encode(x).data))
+        assert np.array_equal(res.items[k].rows, full.rows)
+        np.testing.assert_array_equal(res.items[k].weights, full.weights)

@@ -3,8 +3,8 @@
 Design (``docs/format.md``, "Groups"; an addition to ``generation_artifact_v1`` that needs no new reader: every
 object below is a valid v1 artifact on its own):
 
-* **prompt part** — one object per group: ``token_ids`` = the prompt (P tokens, C = 0), ``moe_routes`` rows for
-  positions ``s .. P-2`` (``s`` = the group's ``routed_experts_prompt_start``), ``header.group =
+* **prompt part** — one object per group: ``token_ids`` = the prompt (P tokens, C = 0), ``moe_routes`` rows (and
+  ``moe_route_weights`` rows when the samples have them: aligned 1:1, deduplicated with the ids) for positions ``s .. P-2`` (``s`` = the group's ``routed_experts_prompt_start``), ``header.group =
   {"id", "role": "prompt_part", "size": n}``. Its rows are *first wins*: taken from sample 0.
 * **sample part** — one object per sample (each still gets its own receipt): the full token ids (prompt +
   completion), every other content unchanged, ``moe_routes`` from ``token_start = t_k`` where ``t_k = P - 1``
@@ -44,6 +44,7 @@ from genartifact.loaders import (
 )
 
 ROUTES = "moe_routes.expert_ids"
+WEIGHTS = "moe_route_weights.weights"  # aligned 1:1 with ROUTES rows: deduplicated with them (same token_start)
 
 
 class GroupError(GenartifactError, ValueError):
@@ -69,6 +70,16 @@ def _routes_of(inp: fmt.ArtifactInput) -> tuple[np.ndarray, Mapping[str, Any]]:
     raise GroupError(f"sample has no {ROUTES} tensor")
 
 
+def _weights_of(inp: fmt.ArtifactInput) -> np.ndarray | None:
+    """The stored ``moe_route_weights`` tensor ``[routers, rows, top_k]`` (f32, or bf16 bits), or None."""
+    if "moe_route_weights" not in inp.sections:
+        return None
+    for t in inp.tensors:
+        if t.name == WEIGHTS:
+            return np.asarray(t.array)
+    raise GroupError(f"sample has the moe_route_weights content but no {WEIGHTS} tensor")
+
+
 def _check_group(samples: Sequence[fmt.ArtifactInput]) -> tuple[np.ndarray, int, int, Mapping[str, Any]]:
     if not samples:
         raise GroupError("a group needs at least one sample")
@@ -89,6 +100,13 @@ def _check_group(samples: Sequence[fmt.ArtifactInput]) -> tuple[np.ndarray, int,
             raise GroupError(f"sample {k}: routers/expert counts/top_k differ from sample 0's")
         if ids.shape[1] < p - 1 - s:
             raise GroupError(f"sample {k}: {ids.shape[1]} route rows, fewer than the {p - 1 - s} prompt rows")
+        w, w0 = _weights_of(x), _weights_of(samples[0])
+        if (w is None) != (w0 is None) or (w is not None and (w.shape[0] != w0.shape[0] or w.dtype != w0.dtype
+                                                               or x.sections["moe_route_weights"].get("dtype")
+                                                               != samples[0].sections["moe_route_weights"].get("dtype"))):
+            raise GroupError(f"sample {k}: moe_route_weights presence/dtype/routers differ from sample 0's")
+        if w is not None and (int(x.sections["moe_route_weights"]["token_start"]) != s or w.shape[1] != ids.shape[1]):
+            raise GroupError(f"sample {k}: moe_route_weights rows are not aligned with moe_routes rows")
     return prompt, p, s, sec0
 
 
@@ -101,11 +119,15 @@ def prompt_part(samples: Sequence[fmt.ArtifactInput], group_id: str, size: int |
     """
     prompt, p, s, sec0 = _check_group(samples)
     ids, _ = _routes_of(samples[0])
-    section = {**sec0, "token_start": s}
+    sections: dict[str, Any] = {"moe_routes": {**sec0, "token_start": s}}
+    tensors = [fmt.TensorPart(ROUTES, np.ascontiguousarray(ids[:, : p - 1 - s]))]
+    w = _weights_of(samples[0])
+    if w is not None:  # the weights' prompt rows go with the routes' (same positions, same first-wins sample)
+        sections["moe_route_weights"] = {**samples[0].sections["moe_route_weights"], "token_start": s}
+        tensors.append(fmt.TensorPart(WEIGHTS, np.ascontiguousarray(w[:, : p - 1 - s])))
     return fmt.ArtifactInput(
-        token_ids=prompt.astype(np.uint32), prompt_token_count=p, contents=["moe_routes"],
-        sections={"moe_routes": section},
-        tensors=[fmt.TensorPart(ROUTES, np.ascontiguousarray(ids[:, : p - 1 - s]))],
+        token_ids=prompt.astype(np.uint32), prompt_token_count=p, contents=sorted(sections),
+        sections=sections, tensors=tensors,
         header={**dict(samples[0].header), "group": {"id": group_id, "role": "prompt_part",
                                                     "size": len(samples) if size is None else size}})
 
@@ -123,6 +145,8 @@ def sample_parts(samples: Sequence[fmt.ArtifactInput], group_id: str,
     """
     prompt, p, s, _ = _check_group(samples)
     shared = _routes_of(samples[0])[0][:, : p - 1 - s]
+    w0 = _weights_of(samples[0])
+    wshared = None if w0 is None else w0[:, : p - 1 - s]
     sha, bc = prompt_receipt.get("sha256"), prompt_receipt.get("byte_count")
     if not isinstance(sha, str) or len(sha) != 64 or isinstance(bc, bool) or not isinstance(bc, int):
         raise GroupError("prompt_receipt needs the prompt part's sha256 (64 hex) and byte_count")
@@ -136,13 +160,19 @@ def sample_parts(samples: Sequence[fmt.ArtifactInput], group_id: str,
     out = []
     for k, x in zip(indices, samples, strict=True):
         ids, sec = _routes_of(x)
-        diff = np.nonzero((ids[:, : p - 1 - s] != shared).any(axis=(0, 2)))[0]
+        w = _weights_of(x)
+        differs = (ids[:, : p - 1 - s] != shared).any(axis=(0, 2))
+        if w is not None:  # a row differs when its expert ids or its weights (bit for bit) differ
+            differs |= (w[:, : p - 1 - s] != wshared).any(axis=(0, 2))
+        diff = np.nonzero(differs)[0]
         t = s + int(diff[0]) if diff.size else p - 1
-        tensors = [fmt.TensorPart(ROUTES, np.ascontiguousarray(ids[:, t - s :])) if tp.name == ROUTES else tp
-                   for tp in x.tensors]
+        tensors = [fmt.TensorPart(tp.name, np.ascontiguousarray(np.asarray(tp.array)[:, t - s :]))
+                   if tp.name in (ROUTES, WEIGHTS) else tp for tp in x.tensors]
         header = {**dict(x.header), "group": {"id": group_id, "role": "sample", "index": k, "size": size,
                                               "prompt_row_mismatches": int(diff.size), "prompt_part": ref}}
         sections = {**x.sections, "moe_routes": {**sec, "token_start": t}}
+        if w is not None:
+            sections["moe_route_weights"] = {**x.sections["moe_route_weights"], "token_start": t}
         out.append(SamplePart(replace(x, sections=sections, tensors=tensors, header=header), int(diff.size), t))
     return out
 
@@ -172,7 +202,10 @@ def join(prompt: fmt.Artifact, sample: fmt.Artifact) -> Routes:
     expect = max(0, sample.token_ids.shape[0] - 1 - s)
     if rows.shape[0] != expect:
         raise GroupError(f"joined rows {rows.shape[0]} != T - 1 - start = {expect}")
-    return Routes(sample.token_ids, p, s, rows, sr.router_ids, sr.expert_counts)
+    if (pr.weights is None) != (sr.weights is None):
+        raise GroupError("moe_route_weights in only one of sample and prompt part")
+    weights = None if sr.weights is None else np.concatenate([pr.weights[: t - s], sr.weights], axis=0)
+    return Routes(sample.token_ids, p, s, rows, sr.router_ids, sr.expert_counts, weights)
 
 
 def _prompt_ref(ref: Any) -> ArtifactRef:

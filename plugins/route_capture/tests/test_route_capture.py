@@ -91,6 +91,20 @@ def test_recorder_chunked_prefill_batching_and_recompute():
     assert rec.fetch("A", 0, 6) is None  # popped
 
 
+def test_recorder_decode_steps_scalar_path_counts_recompute_and_grows():
+    rec = make_recorder()
+    step(rec, [("A", 0, 2)], {1: rows_for(0, 2), 3: rows_for(30, 2)})
+    for pos in range(2, 70):  # single-token decode steps past the initial capacity (64 positions)
+        step(rec, [("A", pos, 1)], {1: [[pos, pos + 1]], 3: [[pos + 1, pos]]})
+    assert rec.recomputed_positions == 0
+    step(rec, [("A", 69, 1)], {1: [[7, 8]], 3: [[8, 7]]})  # the same decode position again (recompute)
+    assert rec.recomputed_positions == 1
+    a = rec.fetch("A", 0, 70)
+    arr = np.frombuffer(a["data"], np.uint8).reshape(a["shape"])
+    assert a["missing"] is None and arr.shape == (2, 70, 2)
+    assert arr[0, 2:69].tolist() == [[p, p + 1] for p in range(2, 69)] and arr[:, 69].tolist() == [[7, 8], [8, 7]]
+
+
 def test_recorder_reports_missing_positions_and_honours_start():
     rec = make_recorder()
     step(rec, [("A", 4, 2)], {1: rows_for(0, 2), 3: rows_for(0, 2)})  # positions 0..3 never computed (cached)

@@ -151,6 +151,10 @@ def test_reader_validation():
         (np.full((2, 4, 2), -0.5, np.float32), section(), ">= 0"),
         (np.full((2, 4, 2), np.inf, np.float32), section(), "finite"),
         (w, {k: v for k, v in section().items() if k != "router_scale"}, "keys"),
+        (w, section(dtype=[]), "dtype"), (w, section(dtype=None), "dtype"), (w, section(token_start=None), "token_start"),
+        (w, section(token_start=True), "token_start"), (w, section(router_ids="ab"), "router_ids"),
+        (w, section(top_k=True), "top_k"), (w, section(output_scale=None), "output_scale"),
+        (w, section(output_scale=[True, 1.0]), "output_scale"), (w, section(layout=[]), "layout"),
     ]
     for arr, sec, match in bad:
         with pytest.raises(ArtifactFormatError, match=match):
@@ -158,3 +162,49 @@ def test_reader_validation():
     with pytest.raises(ArtifactFormatError, match="align 1:1 with moe_routes"):
         fmt.encode(encoded(["moe_routes", "moe_route_weights"], w, section(),
                            routes_sec={**routes, "router_ids": [0, 2]}), readers=readers)
+
+
+def test_decode_needs_neither_vllm_nor_torch(tmp_path):
+    """The reader is found by its entry point and imports no engine code: an artifact with the content decodes
+    and views (bf16 widened) in a process where importing vllm or torch fails."""
+    import subprocess
+    import sys
+
+    w = np.full((2, 4, 2), 0.5, np.float32)
+    f = tmp_path / "a.gart"
+    f.write_bytes(fmt.encode(encoded(["moe_route_weights"], to_bf16_bits(w), section(dtype="bf16"))).data)
+    code = ("import sys; sys.modules['vllm'] = None; sys.modules['torch'] = None\n"
+            "from genartifact import format as fmt\n"
+            f"a = fmt.decode(open({str(f)!r}, 'rb').read())\n"
+            "v = a.content('moe_route_weights'); s = a.content_summary('moe_route_weights')\n"
+            "assert v.shape == (4, 2, 2) and float(v.max()) == 0.5 and s['dtype'] == 'bf16', (v, s)\n"
+            "print('ok', sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch') and sys.modules[m]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok []", r.stdout + r.stderr
+
+
+def test_plugins_check_names_a_bad_setting(tmp_path):
+    """`genartifact plugins --check` builds the enabled producer from its settings: a bad dtype is reported
+    (exit 1) before any run, naming the table, the field and the allowed values."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[plugins]\ncontents = ["moe_routes", "moe_route_weights"]\ntargets = []\n'
+                   '[contents.moe_route_weights]\ndtype = "fp16"\n')
+    r = subprocess.run([sys.executable, "-m", "genartifact.cli", "plugins", "--check", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "[contents.moe_route_weights] dtype='fp16' invalid; allowed: ['bf16', 'f32']" in out, out
+
+
+@pytest.mark.parametrize("given", [{}, {"enable_prefix_caching": True}, {"enable_prefix_caching": None}])
+def test_engine_options_turn_prefix_caching_off_when_worker_capture_runs(given):
+    from genartifact_route_weights import genartifact_engine_options
+
+    opts = dict(given)
+    genartifact_engine_options(options=opts, worker_capture=True)
+    assert opts["enable_prefix_caching"] is False
+    untouched = dict(given)
+    genartifact_engine_options(options=untouched, worker_capture=False)  # no worker capture: nothing to protect
+    assert untouched == given

@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from genartifact.engine.worker_ext import QUALNAME, RPC, init_config
+from genartifact.engine.worker_ext import QUALNAME, RPC, Handover, init_config
 from genartifact.errors import EngineStartError, RequestSpecError
 from genartifact.host import PluginHost
 from genartifact.session import ArtifactSession
@@ -75,9 +75,13 @@ class VllmEngine:
     :param model: local model directory.
     :param engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``max_num_batched_tokens``,
         ``data_parallel_size``, ``tensor_parallel_size``, ``distributed_executor_backend``).
+    :param capture_handover: hand finished requests' worker rows over out of band
+        (:class:`~genartifact.engine.worker_ext.Handover`: a file per request in a private ``/dev/shm`` folder)
+        where the workers share the driver's machine; False: always fetch them by ``collective_rpc``.
     """
 
-    def __init__(self, host: PluginHost, model: str | os.PathLike[str], **engine_kwargs: Any) -> None:
+    def __init__(self, host: PluginHost, model: str | os.PathLike[str], capture_handover: bool = True,
+                 **engine_kwargs: Any) -> None:
         self.host = host
         self.model_dir = str(Path(model).resolve())
         self.engine_kwargs = engine_kwargs
@@ -91,6 +95,9 @@ class VllmEngine:
         self._owns_llm = True
         self._skip_tokenizer = True
         self._pending: dict[str, list[tuple[tuple[Any, ...], asyncio.Future[list[Any]]]]] = {}
+        self.capture_handover = capture_handover
+        #: the out-of-band handover folder (None: fetch by RPC), see :meth:`set_handover`
+        self.handover: Handover | None = None
 
     async def start(self) -> VllmEngine:
         """Build and start the engine (about 20-40 s on CPU), then initialise the workers.
@@ -114,7 +121,8 @@ class VllmEngine:
         return self
 
     @classmethod
-    async def attach(cls, host: PluginHost, llm: Any, tokenizer: Any = None) -> VllmEngine:
+    async def attach(cls, host: PluginHost, llm: Any, tokenizer: Any = None,
+                     capture_handover: bool = True) -> VllmEngine:
         """Wrap an ``AsyncLLM`` the caller built and started (verl-style: in-process, inside a Ray actor).
 
         The workers must carry genartifact's RPC method: true wherever genartifact is installed (the
@@ -125,7 +133,7 @@ class VllmEngine:
 
         :param tokenizer: the model's tokenizer (default: loaded from the engine's model directory).
         :raises EngineStartError: the workers disagree with ``host`` on the enabled plugins."""
-        eng = cls(host, llm.vllm_config.model_config.model)
+        eng = cls(host, llm.vllm_config.model_config.model, capture_handover=capture_handover)
         eng.llm, eng._owns_llm = llm, False
         eng.tokenizer = tokenizer
         await eng._setup()
@@ -170,9 +178,16 @@ class VllmEngine:
         """Send ``init`` (enabled plugins + settings) to every worker of every engine; check the answers.
         Returns the set of contents that capture in workers (empty when no worker carries the RPC method)."""
         cfg = init_config(self.host)
+        if self.capture_handover and self.handover is None:
+            self.handover = Handover()
+        if self.handover is not None:
+            cfg["handover"] = self.handover.config()
         try:
             answers = await self._rpc(("init", cfg))
         except Exception as e:  # noqa: BLE001 - classified below
+            if self.handover is not None:
+                self.handover.close()
+                self.handover = None
             if f"attribute '{RPC}'" not in str(e):  # the workers have the method; their init failed
                 raise EngineStartError(f"genartifact worker init failed: {str(e)[-1500:]}") from e
             log.warning("worker_rpc_missing", detail="the engine's workers have no genartifact_call method: the "
@@ -198,7 +213,38 @@ class VllmEngine:
         if sets and dp_ranks != list(range(self.data_parallel_size)):
             raise EngineStartError(f"expected one capturing worker per data-parallel engine "
                                    f"(ranks 0..{self.data_parallel_size - 1}); got data-parallel ranks {dp_ranks}")
+        self._use_handover(capturing)
         return set(next(iter(sets))) if sets else set()
+
+    def _use_handover(self, capturing: list[dict[str, Any]]) -> None:
+        """Out-of-band handover for the contents every capturing worker hands over (none: the folder goes)."""
+        if self.handover is None:
+            return
+        lists = [set(a.get("handover") or ()) for a in capturing]
+        self.handover.contents = set.intersection(*lists) if lists else set()
+        if not self.handover.contents:
+            self.handover.close()
+            self.handover = None
+        log.info("capture_handover", contents=sorted(self.handover.contents) if self.handover else [],
+                 detail="finished requests' worker rows come out of band" if self.handover else
+                 "worker rows are fetched by collective_rpc (workers cannot see the handover folder)")
+
+    async def set_handover(self, enabled: bool) -> list[str]:
+        """Switch out-of-band handover on or off on a running engine (benchmarks and tests of both paths).
+        Call between requests: rows of requests in flight at the switch are still delivered (the fetch falls
+        back to RPC when no file comes). Returns the contents now handed over out of band."""
+        if self.llm is None:
+            raise RuntimeError("engine is not running")
+        old = self.handover
+        if enabled and old is None:
+            self.handover = Handover()
+        elif not enabled:
+            self.handover = None
+        answers = await self._rpc(("handover", self.handover.config() if self.handover else None))
+        if old is not None and old is not self.handover:
+            old.close()
+        self._use_handover([dict(a) for a in answers if a.get("capturing")])
+        return sorted(self.handover.contents) if self.handover else []
 
     async def _rpc(self, args: tuple[Any, ...]) -> list[Any]:
         """``collective_rpc("genartifact_call", args)`` on the workers of *every* engine, answers flattened in
@@ -252,6 +298,9 @@ class VllmEngine:
             if self._owns_llm:
                 self.llm.shutdown()
             self.llm = None
+        if self.handover is not None:
+            self.handover.close()
+            self.handover = None
 
     async def stream(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
                      request_id: str | None = None, final_only: bool = False) -> AsyncIterator[tuple[Delta, Any]]:

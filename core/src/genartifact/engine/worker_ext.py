@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -105,6 +106,15 @@ class WorkerCapture:
         """Msgpack-native counters (e.g. requests and bytes retained)."""
         return {}
 
+    def handover(self, capture_id: str, extra_args: Mapping[str, Any]) -> Any | None:
+        """Optional: return (msgpack-native, the same payload ``pop`` gives the driver) and forget everything
+        recorded for ``capture_id`` of a request that has just finished, so that the runtime can hand it over
+        out of band (a file in the engine's handover folder, read by :func:`fetch_capture`) instead of the
+        driver's fetch RPC. ``extra_args``: the request's ``SamplingParams.extra_args`` (a driver-side plugin
+        passes what ``pop``'s args would carry there). Return None if nothing was recorded. A capture that does
+        not override this method is always fetched by RPC."""
+        raise NotImplementedError
+
     def verbs(self) -> Mapping[str, Callable[[Sequence[Any]], Any]]:
         """Extra RPC verbs beyond fetch/discard/stats: verb -> function of the call's args."""
         return {}
@@ -148,6 +158,11 @@ class WorkerRuntime:
         self._keys: list[tuple[str, str]] = []
         self._step: WorkerStep | None = None
         self._steps = 0
+        #: the engine's handover folder (same machine as the driver) or None: fetch by RPC only
+        self.handover_dir: str | None = None
+        self.handover_contents: list[str] = []
+        self.handover_written = 0
+        self._extra: dict[str, Mapping[str, Any]] = {}  # engine request id -> extra_args (handover only)
         if self.capturing:
             settings = self.config["settings"]
             for cap in self.host.hooks.worker_captures(worker=worker, settings=settings):
@@ -162,17 +177,41 @@ class WorkerRuntime:
                 self._keys.append((cap.capture_key, cap.name))
             if self.captures:
                 self._wrap(worker.model_runner)
-        log.info("worker_runtime_ready", captures=list(self.captures), **self.where)
+        self.set_handover(config.get("handover"))
+        log.info("worker_runtime_ready", captures=list(self.captures), handover=self.handover_dir is not None,
+                 **self.where)
+
+    def set_handover(self, handover: Mapping[str, Any] | None) -> None:
+        """Use the driver's handover folder ``{"dir": path, "token": str}`` when this worker sees it (the
+        folder exists here and holds the same token: same machine as the driver, not e.g. a Ray worker on
+        another node); otherwise (or with None) finished requests' rows wait for the driver's fetch RPC."""
+        self.handover_dir, self.handover_contents = None, []
+        if not handover or not self.capturing:
+            return
+        d, token = str(handover.get("dir", "")), str(handover.get("token", ""))
+        try:
+            with open(os.path.join(d, "token"), encoding="ascii") as f:
+                same = bool(token) and f.read() == token
+        except OSError:
+            same = False
+        if same:
+            self.handover_dir = d
+            self.handover_contents = sorted(n for n, c in self.captures.items()
+                                            if type(c).handover is not WorkerCapture.handover)
+            _at_parent_exit.append(functools.partial(_rmtree, d))
 
     # ----- init answer
     def answer(self) -> dict[str, Any]:
         return {"enabled": {"contents": self.config["contents"], "probes": self.config["probes"]},
                 "settings": self.config["settings"], "captures": sorted(self.captures),
-                "capturing": self.capturing, **self.where}
+                "capturing": self.capturing, "handover": self.handover_contents, **self.where}
 
     # ----- the step hook
     def _track(self, so: Any) -> bool:
-        """Update the flagged maps from the step; True if any content has a live flagged request."""
+        """Update the flagged maps from the step; True if any content has a live flagged request. Requests in
+        the step's ``finished_req_ids`` are handed over out of band (when a handover folder is set): vLLM's
+        engine core runs one more step to tell the workers about finished requests, so this happens right
+        after the request's last step, before or while the driver finalizes it."""
         keys = self._keys
         for r in getattr(so, "scheduled_new_reqs", ()) or ():
             extra = getattr(getattr(r, "sampling_params", None), "extra_args", None)
@@ -181,14 +220,58 @@ class WorkerRuntime:
                     cid = extra.get(key)
                     if cid is not None:
                         self.flagged[name][r.req_id] = str(cid)
+                        if self.handover_dir is not None:
+                            self._extra[r.req_id] = extra
         fin = getattr(so, "finished_req_ids", None)
         any_live = False
-        for fl in self.flagged.values():
+        for name, fl in self.flagged.items():
             if fin and fl:
                 for rid in fin:
-                    fl.pop(rid, None)
+                    cid = fl.pop(rid, None)
+                    if cid is not None and self.handover_dir is not None and name in self.handover_contents:
+                        self._handover(name, cid, self._extra.get(rid) or {})
             any_live = any_live or bool(fl)
+        if fin and self._extra:
+            for rid in fin:
+                self._extra.pop(rid, None)
         return any_live
+
+    def _handover(self, name: str, cid: str, extra: Mapping[str, Any]) -> None:
+        """Write a finished request's fetch answer to ``<handover dir>/<content>.<capture id>`` (msgpack, written
+        to a temporary name and renamed, so the driver never reads a partial file). Nothing is written for a
+        capture already fetched or discarded by RPC, or whose id cannot be a file name (RPC then)."""
+        if cid in self.gone[name] or not _SAFE.fullmatch(cid):
+            return
+        cap = self.captures[name]
+        where = {"dp_rank": self.where["dp_rank"], "tp_rank": self.where["tp_rank"], "rank": self.where["rank"]}
+        err = self.failed[name].pop(cid, None)
+        env: dict[str, Any]
+        if err is not None:
+            cap.drop(cid)
+            env = {"absent": "failed", "error": err, **where}
+        else:
+            try:
+                payload = cap.handover(cid, extra)
+            except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the engine
+                cap.drop(cid)
+                env = {"absent": "failed", "error": f"handover: {type(e).__name__}: {_exc_text(e)}", **where}
+            else:
+                env = {"found": payload, **where} if payload is not None else {"absent": "unknown", **where}
+        path = os.path.join(str(self.handover_dir), f"{name}.{cid}")
+        try:
+            import msgspec
+
+            data = msgspec.msgpack.encode(env)
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(path + ".tmp", path)
+        except Exception as e:  # noqa: BLE001 - the folder is gone (engine shut down) or full: report by RPC
+            _unlink(path + ".tmp")
+            self.failed[name][cid] = f"handover write failed: {type(e).__name__}: {_exc_text(e)}"
+            log.error("worker_handover_failed", content=name, error=self.failed[name][cid], **self.where)
+            return
+        self.handover_written += 1
+        self._bury(name, cid, "handed_over")
 
     def _fire(self, method: str, step: WorkerStep) -> None:
         for name in step.flagged:
@@ -264,10 +347,13 @@ class WorkerRuntime:
             cid = str(args[0])
             self.failed[name].pop(cid, None)
             found = cap.drop(cid)
+            if self.handover_dir is not None and _SAFE.fullmatch(cid):
+                found = _unlink(os.path.join(self.handover_dir, f"{name}.{cid}")) or found
             self._bury(name, cid, "discarded")
             return found
         if verb == "stats":
-            return {**cap.stats(), "live_flagged": len(self.flagged[name]), **self.where}
+            return {**cap.stats(), "live_flagged": len(self.flagged[name]), "handover": self.handover_dir is not None,
+                    "handed_over": self.handover_written, **self.where}
         fn = cap.verbs().get(verb)
         if fn is None:
             raise ValueError(f"{name} worker verb {verb!r} unknown; allowed: "
@@ -288,11 +374,30 @@ class WorkerRuntime:
             cap.drop(cid)
             self._bury(name, cid, "failed")
             return {"absent": "failed", "error": err, **where}
+        if self.gone[name].get(cid) == "handed_over":
+            return {"absent": "handed_over", **where}
         payload = cap.pop(cid, list(args[1:]))
         if payload is None:
             return {"absent": self.gone[name].get(cid, "unknown"), **where}
         self._bury(name, cid, "fetched")
         return {"found": payload, **where}
+
+
+_SAFE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _exc_text(e: BaseException) -> str:
@@ -319,11 +424,16 @@ def _dispatch(worker: Any, method: str, *args: Any) -> Any:
                 rt.config["probes"] != list(config.get("probes", [])):
             raise RuntimeError(f"worker already initialised with {rt.config}; a second genartifact engine "
                                f"config {dict(config)} cannot share it")
+        else:
+            rt.set_handover(config.get("handover"))
         return rt.answer()
     rt = getattr(worker, "_genartifact_runtime", None)
     if rt is None:
         raise RuntimeError("genartifact worker not initialised: the engine sends genartifact_call('init', "
                            "config) after start (VllmEngine.start / VllmEngine.attach)")
+    if method == "handover":  # ("handover", {"dir", "token"} | None): switch out-of-band handover on/off
+        rt.set_handover(args[0] if args else None)
+        return rt.answer()
     if method == "batch":  # ("batch", inner_method, [args, ...]) -> [result, ...]: one RPC for many calls
         inner, calls = args
         return [rt.call(inner, a) for a in calls]
@@ -340,6 +450,7 @@ class GenartifactWorkerExtension:
 
 
 _parent_watch: list[Any] = []
+_at_parent_exit: list[Callable[[], None]] = []  # run (best effort) before a parent-death exit
 
 
 def exit_with_parent() -> bool:
@@ -369,6 +480,11 @@ def exit_with_parent() -> bool:
             wait([sentinel])
         except (OSError, ValueError):  # the sentinel was closed under us: no way to tell; stay up
             return
+        for fn in list(_at_parent_exit):  # e.g. the handover folder of a driver killed by SIGKILL
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
         os._exit(70)
 
     t = threading.Thread(target=watch, name="genartifact-exit-with-parent", daemon=True)
@@ -405,18 +521,148 @@ def init_config(host: Any) -> dict[str, Any]:
     return {"contents": contents, "probes": probes, "settings": settings}
 
 
+HANDOVER_WAIT_S = 5.0  # how long fetch_capture waits for a handover file before asking the workers by RPC
+
+
+class Handover:
+    """Driver side of the out-of-band handover of finished requests' worker rows (one per engine).
+
+    A private folder (mode 0700) in ``/dev/shm`` (else the temp dir) named ``genartifact-<driver pid>-<random>``
+    holds a ``token`` file; :meth:`config` goes to the workers with ``init``. A capturing worker that finds the
+    folder with the same token (same machine) writes each finished flagged request's fetch answer to
+    ``<content>.<capture id>`` (msgpack) when vLLM tells it the request finished (the engine step after the
+    request's last one), instead of keeping the rows for a ``collective_rpc`` fetch that pauses the engine loop.
+    :meth:`take` reads and deletes that file. Where workers cannot see the folder (Ray workers on other nodes)
+    they answer that they do not hand over, and fetch stays on the RPC path.
+
+    Nothing outlives the engine: :meth:`take` and :meth:`drop` delete the files they concern, :meth:`close`
+    (engine shutdown) removes the folder, a worker whose driver died removes it before exiting, and a new
+    :class:`Handover` removes folders left by driver processes that no longer exist.
+
+    :param root: parent folder (default ``/dev/shm`` when writable, else :func:`tempfile.gettempdir`)."""
+
+    def __init__(self, root: str | None = None) -> None:
+        import secrets
+        import tempfile
+
+        if root is None:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        sweep_handover_dirs(root)
+        self.dir = tempfile.mkdtemp(prefix=f"genartifact-{os.getpid()}-", dir=root)
+        self.token = secrets.token_hex(16)
+        with open(os.path.join(self.dir, "token"), "w", encoding="ascii") as f:
+            f.write(self.token)
+        #: contents whose rows every capturing worker hands over (set by the engine from the init answers)
+        self.contents: set[str] = set()
+        self.taken = 0
+
+    def config(self) -> dict[str, str]:
+        """The ``handover`` entry of the worker ``init`` payload."""
+        return {"dir": self.dir, "token": self.token}
+
+    def path(self, content: str, capture_id: str) -> str | None:
+        if not (_SAFE.fullmatch(content.replace(".", "_")) and _SAFE.fullmatch(capture_id)):
+            return None
+        return os.path.join(self.dir, f"{content}.{capture_id}")
+
+    def read(self, content: str, capture_id: str) -> Mapping[str, Any] | None:
+        """The worker's fetch answer for ``capture_id`` (deleted on read), or None if not (yet) written."""
+        path = self.path(content, capture_id)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        _unlink(path)
+        import msgspec
+
+        self.taken += 1
+        return msgspec.msgpack.decode(data)
+
+    async def take(self, content: str, capture_id: str, wait_s: float = HANDOVER_WAIT_S) -> Mapping[str, Any] | None:
+        """:meth:`read`, waiting up to ``wait_s`` seconds for the file (polled: 0.5 ms, doubling to 20 ms)."""
+        import asyncio
+        import time
+
+        deadline, pause = time.monotonic() + wait_s, 0.0005
+        while True:
+            env = self.read(content, capture_id)
+            if env is not None or time.monotonic() >= deadline:
+                return env
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def drop(self, content: str, capture_id: str) -> None:
+        """Delete ``capture_id``'s file if a worker wrote one (discarded request)."""
+        path = self.path(content, capture_id)
+        if path is not None:
+            _unlink(path)
+
+    def files(self) -> list[str]:
+        """Handover files present now (tests, leak checks)."""
+        try:
+            return sorted(n for n in os.listdir(self.dir) if n != "token")
+        except OSError:
+            return []
+
+    def close(self) -> None:
+        """Remove the folder and everything in it (engine shutdown)."""
+        _rmtree(self.dir)
+
+
+def sweep_handover_dirs(root: str) -> list[str]:
+    """Remove ``genartifact-<pid>-*`` handover folders under ``root`` whose driver process no longer exists
+    (left by a driver killed together with its engine); returns the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for n in names:
+        m = re.fullmatch(r"genartifact-(\d+)-\w+", n)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or not ours to signal): keep
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        _rmtree(os.path.join(root, n))
+        removed.append(os.path.join(root, n))
+    return removed
+
+
 async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) -> Any:
     """Fetch (and so hand over) ``capture_id``'s worker rows of ``content`` from whichever worker holds them.
 
-    ``engine.worker_call`` returns one answer per worker of every data-parallel engine. Returns the payload of
-    the single ``{"found": ...}`` answer.
+    Out of band first: when ``engine.handover`` (:class:`Handover`) covers ``content``, the capturing worker has
+    written the rows to a file when the request finished, read here without pausing the engine. Otherwise, or
+    when no file came within :data:`HANDOVER_WAIT_S` seconds, ``engine.worker_call`` asks every worker of every
+    data-parallel engine (``args`` go to the capture's ``pop``; they are unused by the out-of-band path, where
+    the worker took them from the request's ``extra_args``). Returns the payload of the single
+    ``{"found": ...}`` answer.
 
     :raises CaptureError: no worker holds the id (naming the cause: a failed worker step hook, a second fetch,
         a discard, no capturing worker, or answers from fewer engines than the engine has), or more than one
         worker holds it."""
     from genartifact.errors import CaptureError
 
-    answers = await engine.worker_call(f"{content}.fetch", capture_id, *args)
+    ho = getattr(engine, "handover", None)
+    env = None
+    if isinstance(ho, Handover) and content in ho.contents:
+        env = await ho.take(content, capture_id)
+    if env is not None:
+        answers: list[Any] = [env]
+    else:
+        answers = await engine.worker_call(f"{content}.fetch", capture_id, *args)
+        if isinstance(ho, Handover) and any(isinstance(a, Mapping) and a.get("absent") == "handed_over"
+                                            for a in answers):
+            env = ho.read(content, capture_id)  # written between the wait's deadline and the RPC
+            answers = [env] if env is not None else answers
     found = [a for a in answers if isinstance(a, Mapping) and "found" in a]
     if len(found) == 1:
         return found[0]["found"]
@@ -428,10 +674,10 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
     for a in absent:
         if a.get("absent") == "failed":
             raise CaptureError(f"{content}: worker capture failed on dp rank {a.get('dp_rank')}: {a.get('error')}")
-    for how in ("fetched", "discarded"):
+    for how in ("fetched", "discarded", "handed_over"):
         if any(a.get("absent") == how for a in absent):
-            raise CaptureError(f"{content}: capture {capture_id} was already {how} on its worker "
-                               "(rows are handed over once)")
+            raise CaptureError(f"{content}: capture {capture_id} was already {how.replace('_', ' ')} on its "
+                               "worker (rows are handed over once)")
     if not absent:
         raise CaptureError(f"{content}: no capturing worker answered ({len(answers)} answers): worker capture "
                            "is not installed in this engine")
@@ -448,8 +694,14 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
 
 
 async def discard_capture(engine: Any, content: str, capture_id: str) -> None:
-    """Drop ``capture_id``'s worker rows of ``content`` on every worker (idempotent; failed request)."""
-    await engine.worker_call(f"{content}.discard", capture_id)
+    """Drop ``capture_id``'s worker rows of ``content`` on every worker, and its handover file if one was
+    written (idempotent; failed or cancelled request)."""
+    try:
+        await engine.worker_call(f"{content}.discard", capture_id)
+    finally:
+        ho = getattr(engine, "handover", None)
+        if isinstance(ho, Handover):
+            ho.drop(content, capture_id)
 
 
 def track_flagged(scheduler_output: Any, key: str, flagged: dict[str, str]) -> None:
@@ -464,5 +716,5 @@ def track_flagged(scheduler_output: Any, key: str, flagged: dict[str, str]) -> N
         flagged.pop(rid, None)
 
 
-__all__ = ["QUALNAME", "RPC", "GenartifactWorkerExtension", "WorkerCapture", "WorkerRuntime", "WorkerStep",
-           "discard_capture", "fetch_capture", "init_config", "register_vllm_plugin", "track_flagged"]
+__all__ = ["HANDOVER_WAIT_S", "QUALNAME", "RPC", "GenartifactWorkerExtension", "Handover", "WorkerCapture", "WorkerRuntime", "WorkerStep",
+           "discard_capture", "fetch_capture", "init_config", "register_vllm_plugin", "sweep_handover_dirs", "track_flagged"]

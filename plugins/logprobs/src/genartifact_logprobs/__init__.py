@@ -147,8 +147,10 @@ class SelectedLogprobsReader:
             raise ArtifactFormatError(f"selected_logprobs.logprobs must be f32 [{c}]")
         if s.get("token_start") != p or set(s) != {"token_start"}:
             raise ArtifactFormatError(f"selected_logprobs section must be {{'token_start': {p}}} (prompt_token_count)")
-        bad = np.nonzero(np.isnan(lp) | (lp > 0) & np.isinf(lp))[0]
-        if bad.size:
+        # one reduction, no temporaries: max is NaN if any value is NaN (numpy propagates NaN) and +inf if any is
+        # +inf; only then is the offending index looked up
+        if lp.size and not lp.max() < np.inf:
+            bad = np.nonzero(np.isnan(lp) | (lp > 0) & np.isinf(lp))[0]
             raise ArtifactFormatError(
                 f"selected_logprobs[{int(bad[0])}] is {float(lp[bad[0]])}; only finite values and -inf are allowed")
 

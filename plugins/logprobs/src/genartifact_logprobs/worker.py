@@ -88,6 +88,10 @@ class LogprobCapture(WorkerCapture):
         pos = sorted(entries)
         return {"positions": pos, "token_ids": [entries[p][0] for p in pos], "logprobs": [entries[p][1] for p in pos]}
 
+    def handover(self, capture_id: str, extra_args: Any) -> Any | None:
+        """Samples of a finished request for out-of-band handover (the same payload as :meth:`pop`)."""
+        return self.pop(capture_id, [])
+
     def drop(self, capture_id: str) -> bool:
         return self.store.pop(capture_id, None) is not None
 

@@ -100,16 +100,26 @@ class RouteRecorder:
                 self._req(cid)
             self._step = None
             return
+        step = self._step
         for cid, start, n, off in self._segments:
-            r = self._req(cid)
+            r = self.reqs.get(cid) or self._req(cid)
             end = min(start + n, self.max_positions)
             if end <= start:
                 continue
-            r.ensure(end)
-            self.recomputed_positions += int(r.filled[start:end].sum())
-            r.buf[:, start:end] = self._step[:, off : off + (end - start)]
-            r.filled[start:end] = True
-            r.max_pos = max(r.max_pos, end)
+            if end > r.buf.shape[1]:
+                r.ensure(end)
+            filled = r.filled
+            if end - start == 1:  # a decode step: scalar bookkeeping (numpy reductions cost more than the copy)
+                if filled[start]:
+                    self.recomputed_positions += 1
+                filled[start] = True
+                r.buf[:, start] = step[:, off]
+            else:
+                self.recomputed_positions += int(np.count_nonzero(filled[start:end]))
+                filled[start:end] = True
+                r.buf[:, start:end] = step[:, off : off + (end - start)]
+            if end > r.max_pos:
+                r.max_pos = end
         self._step = None
         self.steps += 1
 

@@ -25,6 +25,7 @@ from genartifact_route_capture.recorder import RouteRecorder
 
 NAME = "moe_routes"
 CAPTURE_KEY = "genartifact_capture_id"
+START_KEY = "genartifact_routes_start"  # extra_args: first position to hand over (the request's routes_start)
 log = structlog.get_logger("genartifact.route_capture.worker")
 
 
@@ -93,6 +94,16 @@ class RouteCapture(WorkerCapture):
     def pop(self, capture_id: str, args: Sequence[Any]) -> Any | None:
         start, end = args
         return self.recorder.fetch(capture_id, int(start), int(end))
+
+    def handover(self, capture_id: str, extra_args: Any) -> Any | None:
+        """Rows of a finished request for out-of-band handover: positions ``start .. forwarded-1``, ``start``
+        from ``extra_args["genartifact_routes_start"]`` (default 0), ``forwarded`` = positions the request fed
+        through the model (prompt + completion - 1)."""
+        r = self.recorder.reqs.get(capture_id)
+        if r is None:
+            return None
+        start = int((extra_args or {}).get(START_KEY, 0) or 0)
+        return self.recorder.fetch(capture_id, start, max(start, r.max_pos))
 
     def drop(self, capture_id: str) -> bool:
         return self.recorder.discard(capture_id)

@@ -135,6 +135,8 @@ class MoeRouteWeights:
         self.capture_id = uuid.uuid4().hex
         extra = dict(params.get("extra_args") or {})
         extra[CAPTURE_KEY] = self.capture_id
+        if self.start:  # the worker hands rows over from here (out-of-band handover)
+            extra["genartifact_routes_start"] = self.start
         params["extra_args"] = extra
 
     def on_delta(self, delta: Delta) -> None:
@@ -160,6 +162,10 @@ class MoeRouteWeights:
         if np.dtype(r["dtype"]) != np.dtype("<f4"):
             raise CaptureError(f"moe_route_weights: worker rows dtype {r['dtype']}; expected <f4")
         arr = np.frombuffer(r["data"], np.float32).reshape(r["shape"])
+        if arr.ndim == 3 and arr.shape[1] > rows:  # handed over up to the last forwarded position: trim
+            arr = arr[:, :rows]
+            if r.get("missing") is not None and r["missing"][0] >= self.start + rows:
+                r = {**r, "missing": None}  # the holes lie beyond the completion the engine reported
         if arr.shape != (lay.routers, rows, lay.top_k):
             raise CaptureError(f"moe_route_weights: worker rows shape {arr.shape}; "
                                f"expected {(lay.routers, rows, lay.top_k)}")
@@ -231,7 +237,7 @@ class MoeRouteWeightsReader:
         if set(tensors) != {TENSOR}:
             raise ArtifactFormatError(f"{NAME} tensors {sorted(tensors)}; allowed exactly ['{TENSOR}']")
         w = tensors[TENSOR]
-        if s["dtype"] not in DTYPES:
+        if not isinstance(s["dtype"], str) or s["dtype"] not in DTYPES:
             raise ArtifactFormatError(f"{NAME} dtype {s['dtype']!r}; allowed: {sorted(DTYPES)}")
         if w.ndim != 3 or w.dtype != DTYPES[s["dtype"]]:
             raise ArtifactFormatError(f"{TENSOR} must be rank 3 [routers, rows, top_k] of "

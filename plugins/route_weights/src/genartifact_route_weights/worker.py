@@ -113,6 +113,15 @@ class RouteWeightsCapture(WorkerCapture):
             out["router_scale"], out["output_scale"] = self.router_scale, self.output_scale
         return out
 
+    def handover(self, capture_id: str, extra_args: Any) -> Any | None:
+        """Weights of a finished request for out-of-band handover: positions ``start .. forwarded-1`` (``start``
+        from ``extra_args["genartifact_routes_start"]``, default 0), with the scales, as :meth:`pop` gives."""
+        r = self.recorder.reqs.get(capture_id)
+        if r is None:
+            return None
+        start = int((extra_args or {}).get("genartifact_routes_start", 0) or 0)
+        return self.pop(capture_id, [start, max(start, r.max_pos)])
+
     def drop(self, capture_id: str) -> bool:
         return self.recorder.discard(capture_id)
 

