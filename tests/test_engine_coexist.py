@@ -46,7 +46,7 @@ async def test_framework_extension_and_genartifact_side_by_side(framework_llm, h
     assert framework_llm.vllm_config.parallel_config.worker_extension_cls == EXT  # the slot stays the framework's
     eng = await VllmEngine.attach(host, framework_llm)
     opts = eng.model_info.engine_options
-    assert opts["worker_capture"] and opts["worker_captures"] == ["moe_routes", "selected_logprobs"]
+    assert opts["worker_capture"] and opts["worker_captures"] == ["moe_route_weights", "moe_routes", "selected_logprobs"]
     ping = await framework_llm.collective_rpc("framework_ping", args=("hello",))
     assert ping == [{"echo": "hello", "rank": 0, "genartifact_rpc": True}]
     res = await run_six(eng, tmp_path)

@@ -46,7 +46,7 @@ async def test_ray_executor_artifacts_exact_and_config_from_init(ray_cluster, ex
     try:
         assert eng.llm.vllm_config.parallel_config.distributed_executor_backend == "ray"
         assert [w["enabled"]["contents"] for w in eng.workers] == [[p.name for p in host.enabled["contents"]]]
-        assert eng.workers[0]["captures"] == ["moe_routes", "selected_logprobs"]
+        assert eng.workers[0]["captures"] == ["moe_route_weights", "moe_routes", "selected_logprobs"]
         res = await run_six(eng, tmp_path)
         got = check(res, qwen_model, tmp_path)
         print(f"ray-{executor}", {k: v for k, v in got.items() if k != "failures"},

@@ -30,7 +30,7 @@ async def tp_engine(host, qwen_model):
 async def test_tp2_one_rank_records_and_artifacts_exact(tp_engine, qwen_model, tmp_path):
     ws = sorted(tp_engine.workers, key=lambda w: w["tp_rank"])
     assert [(w["tp_rank"], w["capturing"], w["captures"]) for w in ws] == [
-        (0, True, ["moe_routes", "selected_logprobs"]), (1, False, [])]
+        (0, True, ["moe_route_weights", "moe_routes", "selected_logprobs"]), (1, False, [])]
     enabled = [p.name for p in tp_engine.host.enabled["contents"]]
     assert all(w["enabled"]["contents"] == enabled for w in ws)  # rank 1 loaded the same plugins, binds nothing
     res = await run_six(tp_engine, tmp_path)

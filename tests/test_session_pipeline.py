@@ -698,6 +698,8 @@ def test_route_admission_bytes_are_exact_with_a_start(host):
     assert p.admit(AdmissionContext(10, 5, 3, MODEL, {})) == (10 + 5 - 1 - 3) * 4 * 2 * 1 + 32 * 4 + 256
     assert p._max_rows == 11
     assert MoeRoutes(MODEL).admit(AdmissionContext(4, 1, 4, MODEL, {})) == 0 + 32 * 4 + 256  # no rows at all
+    # 16 rows x 8 B = 128 shares its bit with 32 x 4 routers, and their sum 256 with the constant
+    assert MoeRoutes(MODEL).admit(AdmissionContext(10, 7, 0, MODEL, {})) == 16 * 8 + 32 * 4 + 256 == 512
 
 
 @pytest.mark.fault("encoder", "native routes: ids far out of range, bad layer axis")
@@ -708,6 +710,8 @@ async def test_native_routes_refuse_ids_far_out_of_range_and_bad_layer_axis(host
            "first_k_dense_replace": 1}
     model = ModelInfo("ds", cfg, engine_options={"native_routed_experts": True})
     for bad, match in ((np.full((4, 3, 2), 200, np.int64), "expert id out of range 0..7"),
+                       (np.zeros((4, 3, 3), np.int64), r"expected \[rows, layers, 2\]"),  # top-3 for a top-2 model
+                       (np.zeros((4, 3), np.int64), r"expected \[rows, layers, 2\]"),
                        (np.full((4, 3, 2), -1, np.int64), "expert id out of range 0..7"),
                        (np.zeros((4, 5, 2), np.int64), "engine layer axis 5 matches neither num_hidden_layers 3")):
         s = session(host, spec(["moe_routes"]), model=model)
@@ -736,6 +740,10 @@ def _routes_section(**kw):
     (_routes_section(token_start=5), np.zeros((2, 0, 2), np.uint8), "token_start 5 out of range 0..4"),
     (_routes_section(router_ids=[], expert_counts=[]), np.zeros((0, 3, 2), np.uint8), "must list 0 routers"),
     (_routes_section(top_k=2.0), None, "top_k 2.0 != tensor top_k 2"),
+    (_routes_section(expert_counts=[8, 70000]), np.zeros((2, 3, 2), np.uint16), "expert_counts must be in 1..65536"),
+    (_routes_section(expert_counts=[0, 8]), None, "expert_counts must be in 1..65536"),
+    (_routes_section(), np.full((2, 3, 2), 9, np.uint8), "expert id 9 out of range for router 0 with 8 experts"),
+    (_routes_section(), np.full((2, 3, 2), 8, np.uint8), "expert id 8 out of range for router 0 with 8 experts"),
     (_routes_section(top_k=3), None, "top_k 3 != tensor top_k 2"),
     (_routes_section(top_k=True), np.zeros((2, 3, 1), np.uint8), "top_k True != tensor top_k 1"),
 ])
@@ -758,6 +766,8 @@ def test_routes_reader_accepts_the_edges():
                     {"moe_routes.expert_ids": np.zeros((2, 0, 2), np.uint8)})
     READER.validate({"prompt_token_count": 4, "completion_token_count": 2}, _routes_section(
         router_ids=[3], expert_counts=[8], token_start=4), {"moe_routes.expert_ids": np.full((1, 1, 2), 7, np.uint8)})
+    READER.validate({"prompt_token_count": 4, "completion_token_count": 0}, _routes_section(  # the u16 maximum
+        router_ids=[0], expert_counts=[65536]), {"moe_routes.expert_ids": np.full((1, 3, 2), 65535, np.uint16)})
 
 
 def test_prefix_caching_turned_off_with_a_warning_when_on_or_left_to_default():
@@ -872,3 +882,14 @@ def test_logprobs_worker_capture_only_for_raw_logprobs(monkeypatch):
             model_config=types.SimpleNamespace(logprobs_mode=mode)))
         got = gl.genartifact_worker_capture(worker=worker, settings={})
         assert (got == ("capture", worker)) is served, mode
+
+
+def test_logprobs_finalize_with_no_completion_tokens_is_an_empty_tensor():
+    from genartifact.types import AdmissionContext, FinalContext
+    from genartifact_logprobs import SelectedLogprobs
+
+    p = SelectedLogprobs()
+    p.admit(AdmissionContext(3, 2, 0, MODEL, {}))
+    section, parts = p.finalize(FinalContext(3, 0))
+    assert section == {"token_start": 3}
+    assert [(t.name, t.array.dtype, t.array.shape) for t in parts] == [("selected_logprobs.logprobs", np.float32, (0,))]

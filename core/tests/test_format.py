@@ -391,3 +391,38 @@ def test_manifest_of_exactly_the_limit_is_accepted_one_more_byte_is_not(monkeypa
     monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", limit)  # ...and the reader refuse it
     with pytest.raises(ArtifactFormatError, match=f"manifest length {limit + 1} exceeds limit {limit}"):
         fmt.decode(over.data)
+
+
+@pytest.mark.parametrize("p, c", [(0, 3), (4, 0), (0, 0)], ids=["empty-prompt", "no-completion", "no-tokens"])
+def test_edge_token_counts_round_trip(p, c):
+    """P = 0 (a zero-token prompt) and C = 0 (nothing sampled) are valid objects: encoded and read back; a
+    prompt count above the token count is refused by the encoder."""
+    tokens = np.arange(p + c, dtype=np.uint32)
+    inp = fmt.ArtifactInput(token_ids=tokens, prompt_token_count=p, contents=["selected_logprobs"],
+                            sections={"selected_logprobs": {"token_start": p}},
+                            tensors=[fmt.TensorPart("selected_logprobs.logprobs", np.full(c, -0.5, np.float32))],
+                            header={})
+    art = fmt.decode(fmt.encode(inp).data)
+    assert (art.manifest["prompt_token_count"], art.manifest["completion_token_count"]) == (p, c)
+    assert art.selected_logprobs().tolist() == [-0.5] * c
+    inp.prompt_token_count = p + c + 1
+    with pytest.raises(ArtifactFormatError, match="prompt_token_count"):
+        fmt.encode(inp)
+
+
+def test_frame_walk_names_an_oversized_block_and_a_torn_block_header():
+    """RFC 8878: a block holds at most 128 KiB; the frame walk refuses a larger one by name before anything is
+    decompressed, and a frame cut inside a 3-byte block header is truncated."""
+    body = bytes(200 << 10)
+    real = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False).compress(body)
+    hs = zstandard.frame_header_size(real)
+    big = (1 | (0 << 1) | ((200 << 10) << 3)).to_bytes(3, "little")  # last, raw, 200 KiB
+    with pytest.raises(ArtifactFormatError, match="block larger than 128 KiB"):
+        fmt.decode(GOOD[:16] + real[:hs] + big + body)
+    ok = (1 | (0 << 1) | ((128 << 10) << 3)).to_bytes(3, "little")  # exactly 128 KiB passes the walk
+    with pytest.raises(ArtifactFormatError) as e:
+        fmt.decode(GOOD[:16] + real[:hs] + ok + bytes(128 << 10))
+    assert "128 KiB" not in str(e.value)  # refused later (the declared size), not as an oversized block
+    for cut in (1, 2):
+        with pytest.raises(ArtifactFormatError, match="truncated zstd frame"):
+            fmt.decode(GOOD[:16] + real[:hs] + big[:cut])
