@@ -398,3 +398,50 @@ def test_stale_handover_folders_of_dead_drivers_are_swept(tmp_path):
     assert not dead.exists() and Path(live.dir).exists() and other.exists()
     assert sweep_handover_dirs(str(tmp_path)) == []  # this process is alive: its folder stays
     live.close()
+
+
+@pytest.mark.fault("worker", "handover folder liveness by lock, not pid")
+def test_handover_sweep_judges_liveness_by_lock_not_pid(tmp_path):
+    """A sweep must not delete a live engine's folder whose pid it cannot see (a driver in another pid namespace
+    sharing /dev/shm: its pid looks dead here), and must delete an abandoned folder whose pid was reused."""
+    import os
+    import subprocess
+    import time
+
+    from genartifact.engine.worker_ext import _STAGING_STALE_S, Handover, sweep_handover_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    foreign = tmp_path / f"genartifact-{gone.pid}-ns"  # the pid of a driver in another namespace: dead here
+    foreign.mkdir()
+    (foreign / "moe_routes.c1").write_bytes(b"rows of a request in flight")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(foreign)!r}, os.O_RDONLY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        reused = tmp_path / f"genartifact-{os.getpid()}-old"  # abandoned; its pid now names a live process
+        reused.mkdir()
+        (reused / "moe_routes.c2").write_bytes(b"leftover")
+        staging = tmp_path / ".genartifact-new-x"  # a driver killed while making its folder
+        staging.mkdir()
+        old = time.time() - _STAGING_STALE_S - 1
+        os.utime(staging, (old, old))
+        fresh = tmp_path / ".genartifact-new-y"  # being made right now
+        fresh.mkdir()
+        live = Handover(str(tmp_path))
+        assert foreign.exists() and (foreign / "moe_routes.c1").exists()
+        assert not reused.exists() and not staging.exists() and fresh.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([foreign.name, fresh.name, Path(live.dir).name])
+        assert sweep_handover_dirs(str(tmp_path)) == []  # held by this process and by the holder
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sweep_handover_dirs(str(tmp_path)) == [str(foreign)]  # its last holder died (kill -9): swept
+    assert Path(live.dir).exists()
+    live.close()
+    assert not Path(live.dir).exists() and live._lock_fd is None
+    assert sweep_handover_dirs(str(tmp_path)) == []

@@ -537,7 +537,8 @@ class Handover:
 
     Nothing outlives the engine: :meth:`take` and :meth:`drop` delete the files they concern, :meth:`close`
     (engine shutdown) removes the folder, a worker whose driver died removes it before exiting, and a new
-    :class:`Handover` removes folders left by driver processes that no longer exist.
+    :class:`Handover` removes folders that no live process holds (:func:`sweep_handover_dirs`: each folder is
+    ``flock``-ed by its :class:`Handover` for its life).
 
     :param root: parent folder (default ``/dev/shm`` when writable, else :func:`tempfile.gettempdir`)."""
 
@@ -548,10 +549,21 @@ class Handover:
         if root is None:
             root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
         sweep_handover_dirs(root)
-        self.dir = tempfile.mkdtemp(prefix=f"genartifact-{os.getpid()}-", dir=root)
-        self.token = secrets.token_hex(16)
-        with open(os.path.join(self.dir, "token"), "w", encoding="ascii") as f:
-            f.write(self.token)
+        # made under a staging name, locked, then renamed: a folder a sweep can see by its final name is always
+        # locked while its engine lives (the lock, not the pid in the name, is what tells a sweep it is in use)
+        staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=root)
+        try:
+            self.token = secrets.token_hex(16)
+            with open(os.path.join(staging, "token"), "w", encoding="ascii") as f:
+                f.write(self.token)
+            self._lock_fd: int | None = _lock_dir(staging)
+            if self._lock_fd is None:
+                raise OSError(f"could not lock the handover folder {staging}")
+            self.dir = os.path.join(root, f"genartifact-{os.getpid()}-{secrets.token_hex(6)}")
+            os.rename(staging, self.dir)
+        except BaseException:
+            _rmtree(staging)
+            raise
         #: contents whose rows every capturing worker hands over (set by the engine from the init answers)
         self.contents: set[str] = set()
         self.taken = 0
@@ -608,31 +620,73 @@ class Handover:
             return []
 
     def close(self) -> None:
-        """Remove the folder and everything in it (engine shutdown)."""
+        """Remove the folder and everything in it (engine shutdown), then release its lock."""
         _rmtree(self.dir)
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+#: handover folders being made (not yet locked and renamed to ``genartifact-<pid>-<random>``)
+_STAGING_PREFIX = ".genartifact-new-"
+#: a staging folder older than this (seconds) and not locked was left by a process killed while making it
+_STAGING_STALE_S = 60.0
+
+
+def _lock_dir(path: str) -> int | None:
+    """An fd of folder ``path`` holding a non-blocking exclusive ``flock`` on it, or None when another open file
+    description holds it (the folder's engine is alive: its driver, or a process forked from it that may still
+    write). The kernel drops the lock when its last holder exits, kill -9 included, and the lock means the same
+    in every pid namespace sharing the folder, unlike a pid. Raises OSError when the folder cannot be opened."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def sweep_handover_dirs(root: str) -> list[str]:
-    """Remove ``genartifact-<pid>-*`` handover folders under ``root`` whose driver process no longer exists
-    (left by a driver killed together with its engine); returns the removed paths."""
+    """Remove ``genartifact-<pid>-*`` handover folders under ``root`` that no live engine holds (left by a driver
+    killed together with its engine); returns the removed paths. In use means locked (:func:`_lock_dir`: each
+    :class:`Handover` holds an ``flock`` on its folder for its life), not "a process with that pid exists": a pid
+    is reused, and a driver in another pid namespace sharing ``/dev/shm`` (containers with ``--ipc=host``) has
+    a pid this process cannot see. Unlocked staging folders (``.genartifact-new-*``) older than
+    :data:`_STAGING_STALE_S` go too; folders this user cannot open are left alone."""
+    import time
+
     removed = []
     try:
         names = os.listdir(root)
     except OSError:
         return removed
     for n in names:
-        m = re.fullmatch(r"genartifact-(\d+)-\w+", n)
-        if m is None:
+        path = os.path.join(root, n)
+        if n.startswith(_STAGING_PREFIX):
+            try:
+                if time.time() - os.lstat(path).st_mtime < _STAGING_STALE_S:
+                    continue  # being made right now (not locked yet)
+            except OSError:
+                continue
+        elif re.fullmatch(r"genartifact-\d+-\w+", n) is None:
             continue
         try:
-            os.kill(int(m.group(1)), 0)
-            continue  # alive (or not ours to signal): keep
-        except ProcessLookupError:
-            pass
+            fd = _lock_dir(path)
         except OSError:
-            continue
-        _rmtree(os.path.join(root, n))
-        removed.append(os.path.join(root, n))
+            continue  # not a folder, gone, or not ours
+        if fd is None:
+            continue  # held: its engine is alive
+        try:
+            _rmtree(path)
+        finally:
+            os.close(fd)
+        removed.append(path)
     return removed
 
 
