@@ -241,3 +241,24 @@ def test_make_tiny_model_refuses_existing(tmp_path, capsys):
     f.write_text("x")
     assert main(["make-tiny-model", str(f)]) == 2
     assert "pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", ["4", 1e9, None, [3], 2**63, 10**9, -1, 0, True],
+                         ids=["str", "float", "null", "list", "2^63", "1e9-int", "neg", "zero", "bool"])
+@pytest.mark.fault("generate", "hostile n in rows given through the API")
+def test_run_generate_api_rows_with_hostile_n_are_rejected_not_crashed(tmp_path, n):
+    """Rows handed to run_generate directly (not read from a file) are checked like file rows: a bad "n" is
+    a rejected receipt naming the field, never a TypeError for the whole run nor a 2**63-long sample list."""
+    cfg = config_mod.parse(config_mod.DEFAULT_TOML, source="d", base_dir=tmp_path)
+    rows = [{"prompt": "x", "n": n}, {"prompt": "y", "bogus": 1}, {"prompt": "z", "n": 2, "contents": ["moe_route"]}]
+    t0 = time.monotonic()
+    receipts = asyncio.run(run_generate(model="/nonexistent", prompts=rows, cfg=cfg, contents=["selected_logprobs"],
+                                        target="managed_fsspec:local", max_tokens=4, run_id="r", engine_kwargs={},
+                                        progress=False))
+    assert time.monotonic() - t0 < 5  # no engine start, no huge sample list
+    assert [(r["index"], r["state"], r["error_code"]) for r in receipts] == [(i, "rejected", "request_invalid")
+                                                                            for i in range(3)]
+    assert receipts[0]["error"].startswith("row 0: n=") and "allowed: an integer 1..256" in receipts[0]["error"]
+    assert "unknown key(s) ['bogus']" in receipts[1]["error"]
+    assert "did you mean 'moe_routes'" in receipts[2]["error"]
+    assert not (tmp_path / "artifacts").exists()

@@ -125,16 +125,44 @@ def _parse_row(bline: bytes, path: str | Path, i: int) -> dict[str, Any]:
         raise RequestSpecError(f"{path}:{i}: not JSON: {getattr(e, 'msg', e)}") from None
     except RecursionError:
         raise RequestSpecError(f"{path}:{i}: not JSON: nested too deeply") from None
+    check_row(obj, f"{path}:{i}")
+    return obj
+
+
+def check_row(obj: Any, where: str) -> None:
+    """Check one prompts row (a JSON object) against :data:`ROW_FIELDS`; raises :class:`RequestSpecError`
+    starting with ``where`` and naming the offending key and its allowed values."""
     if not isinstance(obj, dict) or "prompt" not in obj:
-        raise RequestSpecError(f"{path}:{i}: needs an object with a non-empty string 'prompt'")
+        raise RequestSpecError(f"{where}: needs an object with a non-empty string 'prompt'")
     extra = set(obj) - set(ROW_FIELDS)
     if extra:
-        raise RequestSpecError(f"{path}:{i}: unknown key(s) {sorted(extra)}; allowed: {sorted(ROW_FIELDS)}")
+        raise RequestSpecError(f"{where}: unknown key(s) {sorted(map(str, extra))}; allowed: {sorted(ROW_FIELDS)}")
     for k, v in obj.items():
         check, allowed = ROW_FIELDS[k]
         if not check(v):
-            raise RequestSpecError(f"{path}:{i}: {k}={json.dumps(v)[:80]} invalid; allowed: {allowed}")
-    return obj
+            try:
+                shown = json.dumps(v)[:80]
+            except (TypeError, ValueError):
+                shown = repr(v)[:80]
+            raise RequestSpecError(f"{where}: {k}={shown} invalid; allowed: {allowed}")
+
+
+def _checked_row(row: Any, i: int) -> dict[str, Any] | RequestSpecError:
+    """``row`` if it is a valid prompts row (or already a refusal), else its :class:`RequestSpecError`."""
+    if isinstance(row, RequestSpecError):
+        return row
+    try:
+        check_row(row, f"row {i}")
+    except RequestSpecError as e:
+        return e
+    return row
+
+
+def group_size(row: Any) -> int:
+    """Samples a prompts row asks for: its ``"n"`` when the row is a valid group row, else 1 (a row refused
+    before it ran counts once)."""
+    n = row.get("n", 1) if isinstance(row, dict) else 1
+    return n if _int(n, 2, MAX_N) else 1
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
@@ -356,6 +384,7 @@ def preflight_row(host: PluginHost, targets: Mapping[str, Any], row: Mapping[str
     """The row's validated request spec; raises :class:`GenartifactError` (nothing is sent anywhere). A row
     with ``"n" > 1`` also has every sample's and the prompt part's derived target validated
     (:func:`group_object_target`); ``allow_groups=False`` refuses it (``generate --replicas``)."""
+    check_row(row, f"row {index}")
     tgt = dict(row["target"]) if "target" in row else target_for(target_arg, run_id, index, host)
     spec = {"format": "generation_artifact_v1", "contents": row.get("contents", contents), "codec": "zstd",
             "delivery": {"mode": "object_store", "target": tgt}}
@@ -369,7 +398,7 @@ def preflight_row(host: PluginHost, targets: Mapping[str, Any], row: Mapping[str
     if target is None:
         raise RequestSpecError(f"target kind '{req.target_kind}': its plugin returned no target")
     target.validate(req.target)
-    n = row.get("n", 1)
+    n = group_size(row)
     if n > 1:
         if not allow_groups:
             raise RequestSpecError('"n" > 1 (a group) is not supported with --replicas yet; allowed there: 1 (or '
@@ -604,6 +633,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
 
     done = done or {}
     stop = stop if stop is not None else {}
+    prompts = [_checked_row(r, i) for i, r in enumerate(prompts)]  # rows given through the API are checked too
     host = cfg.host()
     targets = check_target_tables(cfg, host)
     settings = cfg.target_settings()
@@ -620,8 +650,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
     for i, row in enumerate(prompts):
         if done.get(i, {}).get("state") == "ready":
             continue
-        if isinstance(row, dict) and row.get("n", 1) > 1:
-            todo[i] = [k for k in range(row["n"]) if done.get((i, k), {}).get("state") != "ready"]
+        if group_size(row) > 1:
+            todo[i] = [k for k in range(group_size(row)) if done.get((i, k), {}).get("state") != "ready"]
             if not todo[i]:
                 continue
         if isinstance(row, RequestSpecError):
@@ -813,9 +843,8 @@ def run_generate_cli(args: argparse.Namespace) -> int:
         writer.report_unwritten()
     final = {**done, **{receipt_key(r): r for r in receipts}}
     # one artifact per row, n per group row (a row refused before it was parsed counts once)
-    expected = [(i, k) for i, row in enumerate(prompts) if isinstance(row, dict) and row.get("n", 1) > 1
-                for k in range(row["n"])]
-    expected += [i for i, row in enumerate(prompts) if not (isinstance(row, dict) and row.get("n", 1) > 1)]
+    expected = [(i, k) for i, row in enumerate(prompts) if group_size(row) > 1 for k in range(group_size(row))]
+    expected += [i for i, row in enumerate(prompts) if group_size(row) == 1]
     ready = sum(final.get(key, {}).get("state") == "ready" for key in expected)
     log.info("generate_done", run_id=run_id, ready=ready, total=len(expected), receipts=str(out),
              seconds=round(time.perf_counter() - t0, 2), interrupted=bool(stop))
