@@ -428,3 +428,63 @@ def test_frame_walk_names_an_oversized_block_and_a_torn_block_header():
     for cut in (1, 2):
         with pytest.raises(ArtifactFormatError, match="truncated zstd frame"):
             fmt.decode(GOOD[:16] + real[:hs] + big[:cut])
+
+
+@pytest.mark.fault("encoder", "fork while another thread holds the helper pool's lock")
+def test_encode_in_a_child_forked_while_the_pool_lock_was_held(monkeypatch):
+    """A child forked while another thread was inside the helper pool's lock (creating the pool) encodes and
+    hashes large objects (the overlapped path) to the same bytes as ever, instead of waiting forever."""
+    import os
+    import signal
+    import threading
+
+    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with fmt._HASH_POOL_LOCK:
+            inside.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 3
+        try:
+            signal.alarm(20)  # a hang ends the child with SIGALRM
+            enc = fmt.encode(large_input())
+            ok = enc.sha256 == GOLDEN_LARGE_SHA256 and fmt.decode(enc.data).sha256 == GOLDEN_LARGE_SHA256
+            code = 0 if ok else 4
+        finally:
+            os._exit(code)
+    release.set()
+    t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"child: {os.waitstatus_to_exitcode(status)} (-14: hung)"
+
+
+@pytest.mark.fault("encoder", "concurrent overlapped encodes")
+def test_concurrent_overlapped_encodes_equal_the_single_threaded_bytes(monkeypatch):
+    """Sixteen encodes from eight threads (more than the two helper threads) all give the pinned bytes, and a
+    validation error in some of them neither hangs nor changes the others' bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20)
+    inp = large_input()
+    bad_routes = inp.tensors[0].array.copy()
+    bad_routes[5, 100, 3] = 64
+    bad = fmt.ArtifactInput(inp.token_ids, inp.prompt_token_count, inp.contents, inp.sections,
+                            [fmt.TensorPart("moe_routes.expert_ids", bad_routes), inp.tensors[1]], inp.header)
+
+    def one(k: int) -> str:
+        if k % 4 == 3:
+            with pytest.raises(ArtifactFormatError, match="expert"):
+                fmt.encode(bad)
+            return "refused"
+        return fmt.encode(large_input()).sha256
+
+    with ThreadPoolExecutor(8) as ex:
+        out = list(ex.map(one, range(16), timeout=120))
+    assert out == ["refused" if k % 4 == 3 else GOLDEN_LARGE_SHA256 for k in range(16)]

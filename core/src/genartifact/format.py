@@ -490,9 +490,13 @@ _HASH_POOL: Any = None
 _HASH_POOL_LOCK = threading.Lock()
 
 
-def _reset_hash_pool() -> None:  # a forked child inherits the pool object but not its threads
-    global _HASH_POOL
+def _reset_hash_pool() -> None:
+    """After fork, in the child: the child inherits the pool object but not its threads, and the pool's lock in
+    whatever state it had at the fork (held, if another thread was creating the pool): both are made anew, or
+    the child's first encode or decode of a large object would wait forever."""
+    global _HASH_POOL, _HASH_POOL_LOCK
     _HASH_POOL = None
+    _HASH_POOL_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_hash_pool)
