@@ -22,7 +22,7 @@ def full_sample(prompt_rows: np.ndarray, seed: int, start: int = 0) -> fmt.Artif
     ids = np.concatenate([prompt_rows[:, start:], comp], axis=1)
     return fmt.ArtifactInput(
         tok, P, ["moe_routes", "selected_logprobs"],
-        {"moe_routes": {"token_start": start, "router_ids": [0, 2, 5], "expert_counts": [E] * R, "top_k": K,
+        {"moe_routes": {"token_start": start, "requested_token_start": start, "router_ids": [0, 2, 5], "expert_counts": [E] * R, "top_k": K,
                         "layout": "router_major", "source": "test"}, "selected_logprobs": {"token_start": P}},
         [fmt.TensorPart("moe_routes.expert_ids", np.ascontiguousarray(ids)),
          fmt.TensorPart("selected_logprobs.logprobs", -rng.random(C).astype(np.float32))])

@@ -170,7 +170,11 @@ def sample_parts(samples: Sequence[fmt.ArtifactInput], group_id: str,
                    if tp.name in (ROUTES, WEIGHTS) else tp for tp in x.tensors]
         header = {**dict(x.header), "group": {"id": group_id, "role": "sample", "index": k, "size": size,
                                               "prompt_row_mismatches": int(diff.size), "prompt_part": ref}}
-        sections = {**x.sections, "moe_routes": {**sec, "token_start": t}}
+        rsec = {**sec, "token_start": t}
+        if "requested_token_start" in rsec:  # the request's start (s) lives in header.group.prompt_part.token_start;
+            # this object's own rows start at t, and a reader requires requested >= effective
+            rsec["requested_token_start"] = max(int(rsec["requested_token_start"]), t)
+        sections = {**x.sections, "moe_routes": rsec}
         if w is not None:
             sections["moe_route_weights"] = {**x.sections["moe_route_weights"], "token_start": t}
         out.append(SamplePart(replace(x, sections=sections, tensors=tensors, header=header), int(diff.size), t))

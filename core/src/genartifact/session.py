@@ -389,11 +389,11 @@ class ArtifactSession:
             except (DeliveryError, TargetError) as e:
                 code = "target_invalid" if isinstance(e, TargetError) else e.code
                 code = code if code in ERROR_MESSAGES else "delivery_failed"
-                if code == "object_exists" and self.recover_existing and await self._stored_matches(enc):
+                if code == "object_exists" and self.recover_existing and await self._stored_matches(enc, validated):
                     await self._journal_outcome(did, "ready")
                     did = None
-                    log.info("artifact_recovered", object_id=self._validated.object_id, sha256=enc.sha256)
-                    return {**self._ready_receipt(enc), "recovered": "rerun_match"}
+                    log.info("artifact_recovered", object_id=validated.object_id, sha256=enc.sha256)
+                    return {**self._ready_receipt(enc, validated), "recovered": "rerun_match"}
                 log.warning("artifact_delivery_failed", error_code=code, target_kind=self.request.target_kind)
                 await self._journal_outcome(did, "failed", code)
                 did = None
@@ -411,7 +411,7 @@ class ArtifactSession:
             did = None
             object_id = validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
             log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
-            return self._ready_receipt(enc)
+            return self._ready_receipt(enc, validated)
         except PluginFault:  # logged with the plugin's name when raised
             await self._journal_outcome(did, "failed", "internal_error")
             return failed_receipt(self.request, "internal_error")
@@ -422,8 +422,7 @@ class ArtifactSession:
         finally:
             sem.release()
 
-    def _ready_receipt(self, enc: fmt.EncodedArtifact) -> dict[str, Any]:
-        assert self._validated is not None
+    def _ready_receipt(self, enc: fmt.EncodedArtifact, validated: ValidatedTarget) -> dict[str, Any]:
         return {
             "format": self.request.format,
             "contents": sorted(self.request.contents),
@@ -431,16 +430,15 @@ class ArtifactSession:
             "target": self.request.target_kind,
             "byte_count": enc.byte_count,
             "sha256": enc.sha256,
-            "object_id": self._validated.object_id,
+            "object_id": validated.object_id,
         }
 
-    async def _stored_matches(self, enc: fmt.EncodedArtifact) -> bool:
-        """Whether the object already stored at the validated id is byte-for-byte this run's encoding: read back
+    async def _stored_matches(self, enc: fmt.EncodedArtifact, validated: ValidatedTarget) -> bool:
+        """Whether the object already stored at ``validated``'s id is byte-for-byte this run's encoding: read back
         through the target, at most ``enc.byte_count`` bytes (a larger object is refused by the target before
         its body is read), then byte count and SHA-256 compared. False when it cannot be read back."""
-        assert self._validated is not None
         try:
-            data = await self._target.open(self._validated.object_id, enc.byte_count)
+            data = await self._target.open(validated.object_id, enc.byte_count)
         except (GenartifactError, OSError) as e:
             log.warning("artifact_recover_unreadable", error_type=type(e).__name__)
             return False
