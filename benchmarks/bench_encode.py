@@ -4,21 +4,18 @@
 
 Baseline: single-threaded ``zstandard`` one-shot compression at level 1 (content size written, as ours) of the raw
 tensor bytes, then SHA-256 of the frame. Ours: ``genartifact.format.encode`` (validation, manifest, layout into one
-body, one-shot zstd-1, SHA-256 of the stored bytes). Repetitions alternate baseline and ours in a rotating order
-(base, ours / ours, base / ...); both sides report median and best repetition, plus the per-repetition paired
-ratios. Also measured: the same encoder with every step inline (no helper threads, as before issue 13), and the
-floor of any single-threaded encoder that keeps today's bytes: one-shot zstd of our body + SHA-256 of our object
-(see docs/benchmarks.md, row 1), and for reference what an encoder that hashes *during* compression would take
-(zstd streaming in 1 MiB chunks, finished chunks hashed in a helper thread) — its bytes differ from the one-shot frame.
+body, streamed zstd-1 in 1 MiB pieces whose output is hashed while the next piece compresses, SHA-256 of the
+stored bytes). Repetitions alternate the sides in a rotating order (base, ours, ... / ours, ..., base / ...); every
+side reports median and best repetition, plus the per-repetition paired ratios. Also measured: the same encoder
+with every step in the calling thread (compress, then hash), and the floor of the one-shot encoder used before
+issue 13 (one-shot zstd of our body + SHA-256 of the object, single thread: it cannot hash during compression).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import queue
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -77,36 +74,11 @@ def main() -> None:
     enc = fmt.encode(inp)
     body = zstandard.ZstdDecompressor().decompress(enc.data[fmt.PRELUDE_SIZE:])
 
-    def floor():  # what any encoder keeping today's bytes must do at least: one-shot zstd of the body + SHA-256
+    def floor():  # what the one-shot encoder (before issue 13) had to do at least: one-shot zstd of the body + SHA-256
         hashlib.sha256(fmt.PRELUDE.pack(fmt.MAGIC, fmt.MAJOR, fmt.MINOR, fmt.CODEC_ZSTD) + cctx.compress(body)).hexdigest()
 
-    def streamed():  # reference only: zstd streaming in 1 MiB chunks, finished chunks hashed in a helper thread
-        c = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False).compressobj(size=len(body))
-        prelude = enc.data[: fmt.PRELUDE_SIZE]
-        sha, q, parts = hashlib.sha256(prelude), queue.SimpleQueue(), [prelude]
-
-        def hasher():
-            while (chunk := q.get()) is not None:
-                sha.update(chunk)
-
-        t = threading.Thread(target=hasher)
-        t.start()
-        mv = memoryview(body)
-        for i in range(0, len(body), 1 << 20):
-            out = c.compress(mv[i : i + (1 << 20)])
-            if out:
-                parts.append(out)
-                q.put(out)
-        out = c.flush()
-        parts.append(out)
-        q.put(out)
-        q.put(None)
-        t.join()
-        return b"".join(parts), sha.hexdigest()
-
-    ref, _ = streamed()
     sides = {"raw zstd-1 + sha256": baseline, "genartifact encode": ours, "encode, all inline": ours_inline,
-             "floor (body zstd + sha)": floor, "ref: streamed + overlap": streamed}
+             "one-shot floor (body zstd + sha)": floor}
     for fn in sides.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in sides}
@@ -122,12 +94,8 @@ def main() -> None:
                      times["raw zstd-1 + sha256"], ">= 1.0", higher_is_better=False))
     print(ratio_line("encode all inline / raw zstd-1 + sha256 (throughput)", times["encode, all inline"],
                      times["raw zstd-1 + sha256"], higher_is_better=False))
-    print(ratio_line("floor (one-shot body zstd + sha, single thread) / raw zstd-1 + sha256 (throughput)",
-                     times["floor (body zstd + sha)"], times["raw zstd-1 + sha256"], higher_is_better=False))
-    print(ratio_line("reference: streamed zstd of the body + SHA-256 overlapped / raw zstd-1 + sha256 (throughput)",
-                     times["ref: streamed + overlap"], times["raw zstd-1 + sha256"], higher_is_better=False))
-    print(f"  reference bytes equal to encode's on this input: {ref == enc.data} ({len(ref)} vs {enc.byte_count} bytes); "
-          f"in general zstd's streaming API is not byte-identical to its one-shot frame, which the format keeps")
+    print(ratio_line("one-shot floor (body zstd + sha, single thread, the encoder before issue 13) / raw zstd-1 + sha256 (throughput)",
+                     times["one-shot floor (body zstd + sha)"], times["raw zstd-1 + sha256"], higher_is_better=False))
 
 
 if __name__ == "__main__":

@@ -64,13 +64,16 @@ def _run(script: str, model: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def smoke_runs(qwen_model):
-    """script -> Future of its finished smoke run; all launched now, engine scripts ENGINE_LANES at a time."""
+def smoke_runs(qwen_model, request):
+    """script -> Future of its finished smoke run, for the scripts whose tests this session selected (``-k``
+    runs only those); all launched now, engine scripts ENGINE_LANES at a time."""
+    selected = {item.callspec.params["script"] for item in request.session.items
+                if item.originalname == "test_benchmark_smoke" and hasattr(item, "callspec")}
     engines = ThreadPoolExecutor(ENGINE_LANES, thread_name_prefix="smoke-engine")
     cheap = ThreadPoolExecutor(1, thread_name_prefix="smoke-cheap")
     futures: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
     # slowest first, so the lanes finish together
-    order = sorted(CASES, key=lambda s: (not CASES[s][0], s not in ("bench_replicas.py", "bench_fpm_fit.py")))
+    order = sorted(selected, key=lambda s: (not CASES[s][0], s not in ("bench_replicas.py", "bench_fpm_fit.py")))
     for script in order:
         futures[script] = (engines if CASES[script][0] else cheap).submit(_run, script, qwen_model)
     yield futures

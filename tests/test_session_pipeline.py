@@ -712,6 +712,7 @@ async def test_native_routes_refuse_ids_far_out_of_range_and_bad_layer_axis(host
     for bad, match in ((np.full((4, 3, 2), 200, np.int64), "expert id out of range 0..7"),
                        (np.zeros((4, 3, 3), np.int64), r"expected \[rows, layers, 2\]"),  # top-3 for a top-2 model
                        (np.zeros((4, 3), np.int64), r"expected \[rows, layers, 2\]"),
+                       (np.zeros((4, 3, 2, 1), np.int64), r"expected \[rows, layers, 2\]"),
                        (np.full((4, 3, 2), -1, np.int64), "expert id out of range 0..7"),
                        (np.zeros((4, 5, 2), np.int64), "engine layer axis 5 matches neither num_hidden_layers 3")):
         s = session(host, spec(["moe_routes"]), model=model)

@@ -229,34 +229,65 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL, readers: Mapping[str,
     return EncodedArtifact(data=data, byte_count=len(data), sha256=digest, decoded_bytes=total)
 
 
-def _compress_and_hash(body: np.ndarray, level: int, validate: Any) -> tuple[bytes, str]:
-    """``(prelude + one-shot zstd frame of body, SHA-256 hex of those bytes)``, after ``validate()`` returned.
+def _frame_pieces(cctx: Any, body: np.ndarray, emit: Any, stop: Any = None) -> None:
+    """Compress ``body`` (``uint8 [n]``) to one zstd frame with its content size declared, fed to zstd's streaming
+    compressor in :data:`ENCODE_CHUNK_BYTES` pieces (``ZSTD_compressStream2``: continue per piece, end after the
+    last), passing each non-empty output piece to ``emit`` in order. This procedure *is* the format's frame
+    definition (``docs/format.md``): the same body and zstd version give the same bytes. ``stop`` (a
+    ``threading.Event``) set between pieces abandons the frame (nothing more is emitted)."""
+    c = cctx.compressobj(size=body.nbytes)
+    mv = memoryview(body)
+    for i in range(0, body.nbytes, ENCODE_CHUNK_BYTES):
+        if stop is not None and stop.is_set():
+            return
+        out = c.compress(mv[i : i + ENCODE_CHUNK_BYTES])
+        if out:
+            emit(out)
+    emit(c.flush())
 
-    The frame is always zstd's one-shot compression of the whole body: zstd's streaming API gives different
-    bytes for some inputs (libzstd 1.5.7), and the stored bytes must not depend on how they were produced. For
-    bodies of at least :data:`PARALLEL_ENCODE_BYTES` the work that can overlap does: the compression runs in a
-    helper thread (zstd releases the GIL) while this thread runs the content validation, and the frame is hashed
-    in a helper thread (hashlib releases the GIL) while this thread joins prelude and frame. ``validate`` raising
-    discards the frame and re-raises (nothing is returned)."""
+
+def _compress_and_hash(body: np.ndarray, level: int, validate: Any) -> tuple[bytes, str]:
+    """``(prelude + zstd frame of body, SHA-256 hex of those bytes)``, after ``validate()`` returned.
+
+    The frame is :func:`_frame_pieces`' streamed compression, whatever the encoder overlaps, so the stored bytes
+    do not depend on scheduling. For bodies of at least :data:`PARALLEL_ENCODE_BYTES` the three steps overlap: a
+    helper thread compresses (zstd releases the GIL) while this thread first runs the content validation, then
+    hashes each finished output piece as it arrives (hashlib releases the GIL for large updates) — the object is
+    hashed *while* it is being compressed, which is how encode + SHA-256 beats a one-shot compression followed
+    by a hash (``benchmarks/bench_encode.py``). ``validate`` raising stops the compressor at its next piece,
+    waits for it (the body is never left in use by a thread) and re-raises: nothing is returned."""
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
     prelude = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD)
+    parts = [prelude]
     if body.nbytes < PARALLEL_ENCODE_BYTES:
         validate()
-        data = prelude + cctx.compress(body)
+        _frame_pieces(cctx, body, parts.append)
+        data = b"".join(parts)
         return data, hashlib.sha256(data).hexdigest()
-    pool = _hash_pool()
-    compressing = pool.submit(cctx.compress, body)
+    import queue
+
+    pieces: Any = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            _frame_pieces(cctx, body, pieces.put, stop)
+        finally:
+            pieces.put(None)
+
+    compressing = _hash_pool().submit(produce)
     try:
         validate()
     except BaseException:
-        compressing.exception()  # wait for it: the body is never left in use by a thread; its result is dropped
+        stop.set()
+        compressing.exception()  # wait for it: the body is never left in use by a thread; its output is dropped
         raise
-    frame = compressing.result()
     h = hashlib.sha256(prelude)
-    hashing = pool.submit(h.update, frame)
-    data = prelude + frame
-    hashing.result()
-    return data, h.hexdigest()
+    while (piece := pieces.get()) is not None:
+        h.update(piece)
+        parts.append(piece)
+    compressing.result()  # re-raises a compressor error
+    return b"".join(parts), h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------- reader
@@ -453,6 +484,8 @@ PARALLEL_HASH_BYTES = 1 << 20 if _usable_cpus() > 2 else 1 << 62
 #: bodies at least this large (bytes) are encoded with compression, validation and hashing overlapped in helper
 #: threads (:func:`_compress_and_hash`); smaller ones inline (the hand-off costs more than it saves).
 PARALLEL_ENCODE_BYTES = 1 << 20
+#: input bytes fed to zstd's streaming compressor per call: part of the frame definition (:func:`_frame_pieces`)
+ENCODE_CHUNK_BYTES = 1 << 20
 _HASH_POOL: Any = None
 _HASH_POOL_LOCK = threading.Lock()
 
