@@ -122,6 +122,18 @@ DRIVER = textwrap.dedent("""
             pass
         await eng.run(ids, {"max_tokens": 2}, None, st)  # the worker learns that the request finished
         print("READY", eng.handover.dir, flush=True)
+        if sys.argv[2] == "kill-worker":  # the worker dies (OOM kill, crash); the driver shuts the engine down
+            import os, signal, psutil
+            workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in " ".join(p.cmdline())
+                       or p.name().startswith("VLLM::Worker")]
+            assert workers, [p.name() for p in psutil.Process().children(recursive=True)]
+            for w in workers:
+                os.kill(w.pid, signal.SIGKILL)
+            time.sleep(2)
+            folder = eng.handover.dir
+            eng.shutdown()
+            print("SHUTDOWN", os.path.exists(folder), flush=True)
+            return
         while True:
             time.sleep(1)
 
@@ -130,13 +142,23 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+def test_killed_worker_then_shutdown_leaves_nothing_in_dev_shm(qwen_model, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    out = subprocess.run([sys.executable, str(script), str(qwen_model), "kill-worker"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("READY", "SHUTDOWN"))]
+    assert len(lines) == 2 and lines[1] == "SHUTDOWN False", (lines, out.stderr[-2000:])
+    assert not Path(lines[0].split()[1]).exists()
+
+
 def test_killed_driver_leaves_nothing_in_dev_shm(qwen_model, tmp_path):
     import psutil
 
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    proc = subprocess.Popen([sys.executable, str(script), str(qwen_model)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([sys.executable, str(script), str(qwen_model), "wait"], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = ""
         deadline = time.monotonic() + 240

@@ -294,13 +294,15 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         """Stop the engine if this object built it (an attached caller's engine is left running)."""
-        if self.llm is not None:
-            if self._owns_llm:
-                self.llm.shutdown()
-            self.llm = None
-        if self.handover is not None:
-            self.handover.close()
-            self.handover = None
+        try:
+            if self.llm is not None:
+                if self._owns_llm:
+                    self.llm.shutdown()
+                self.llm = None
+        finally:  # the handover folder goes even when vLLM's shutdown fails (e.g. after a worker died)
+            if self.handover is not None:
+                self.handover.close()
+                self.handover = None
 
     async def stream(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
                      request_id: str | None = None, final_only: bool = False) -> AsyncIterator[tuple[Delta, Any]]:
