@@ -37,6 +37,8 @@ def test_settings(settings, want):
 
 @pytest.mark.parametrize("settings, match", [({"dtype": "fp16"}, r"dtype='fp16' invalid; allowed: \['bf16', 'f32'\]"),
                                              ({"dtype": "float32"}, "allowed"),
+                                             ({"dtype": ["f32"]}, r"dtype=\['f32'\] invalid; allowed"),
+                                             ({"dtype": {"a": 1}}, r"dtype=\{'a': 1\} invalid; allowed"),
                                              ({"dtyp": "bf16"}, r"unknown key\(s\) \['dtyp'\]; allowed: \['dtype'\]")])
 def test_bad_settings_name_the_field(settings, match):
     with pytest.raises(ConfigError, match=match):

@@ -89,7 +89,7 @@ def parse_settings(settings: Mapping[str, Any] | None) -> str:
     if unknown:
         raise ConfigError(f"[contents.{NAME}] unknown key(s) {unknown}; allowed: {list(SETTINGS)}")
     dt = s.get("dtype", "f32")
-    if dt not in DTYPES:
+    if not isinstance(dt, str) or dt not in DTYPES:  # a TOML array/table is unhashable: name it, not TypeError
         raise ConfigError(f"[contents.{NAME}] dtype={dt!r} invalid; allowed: {sorted(DTYPES)}")
     return str(dt)
 
