@@ -179,7 +179,8 @@ async def test_one_sample_failing_keeps_the_others(engine, tmp_path, monkeypatch
     recs = await asyncio.wait_for(run_group(engine, 1, _row(), _spec("runs/f/00001.gart"), _settings(tmp_path), None,
                                             6, [0, 1, 2]), 120)
     assert [r["state"] for r in recs] == ["ready", "failed", "ready"]
-    assert recs[1]["error_code"] == "internal_error" and recs[1]["group"]["index"] == 1
+    assert recs[1]["error_code"] == "engine_failed" and recs[1]["group"]["index"] == 1
+    assert "RuntimeError" in recs[1]["error"]
     pp = recs[0]["group"]["prompt_part"]
     assert recs[2]["group"]["prompt_part"] == pp
     res = await groups.aload_group([recs[0], recs[2]], _target_t(tmp_path))

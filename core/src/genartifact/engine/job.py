@@ -422,6 +422,27 @@ def _interrupted_receipt(i: int) -> dict[str, Any]:
             "error": "the run was stopped (signal) before this request finished; rerun with --resume"}
 
 
+def _engine_failed(exc: BaseException) -> dict[str, Any]:
+    """The failure of a request the engine (or the code around it) raised for after it was admitted."""
+    return {"state": "failed", "error_code": "engine_failed",
+            "error": f"the engine failed while this request ran ({type(exc).__name__}; the log has the cause); "
+                     "rerun with --resume"}
+
+
+def _unfinished_receipt(i: int, task: Any, signalled: bool) -> dict[str, Any]:
+    """The receipt of row ``i`` whose request task ended without one: ``engine_failed`` when the task raised
+    (the engine died under it, e.g. ``EngineDeadError`` after its worker was killed: named by exception type
+    only, as a message could carry a target's secrets), ``interrupted`` when a signal stopped the run, else
+    ``interrupted`` without blaming a signal (the run itself was cancelled by its caller)."""
+    exc = task.exception() if task is not None and task.done() and not task.cancelled() else None
+    if exc is not None:
+        return {"index": i, **_engine_failed(exc)}
+    if signalled:
+        return _interrupted_receipt(i)
+    return {"index": i, "state": "failed", "error_code": "interrupted",
+            "error": "the run was cancelled before this request finished; rerun with --resume"}
+
+
 def _group_of(data: bytes) -> dict[str, Any] | None:
     """A recovered group sample's receipt ``group`` field, from its own ``header.group`` (None otherwise)."""
     from genartifact import format as fmt
@@ -605,7 +626,7 @@ async def run_group(engine: Any, i: int, row: Mapping[str, Any], spec: Mapping[s
             raise
         except Exception as e:  # noqa: BLE001 - one sample's failure must not lose the others' receipts
             log.error("group_sample_failed", index=i, sample=k, error_type=type(e).__name__)
-            receipt = {"state": "failed", "error_code": "internal_error", "error": f"sample failed: {type(e).__name__}"}
+            receipt = _engine_failed(e)
             preps[k].session.release()  # idempotent; a sample that never started holds its capture state
         finally:
             generating.discard(k)
@@ -764,7 +785,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         for i in specs:
             for key in ([(i, k) for k in todo[i]] if i in todo else [i]):
                 if key not in receipts:
-                    r = _interrupted_receipt(i)
+                    r = _unfinished_receipt(i, tasks.get(i), "signal" in stop)
                     emit(key, r if key == i else {**r, "sample": key[1]})
     return [receipts[i] for i in sorted(receipts, key=_key_order)]
 
