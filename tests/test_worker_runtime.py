@@ -374,11 +374,15 @@ async def test_handover_falls_back_to_rpc_and_reports_failures_and_discards(tmp_
     assert ho.files() == ["fake.c4"]
     await wx.discard_capture(eng, "fake", "c4")  # cancelled after the file was written
     assert ho.files() == []
-    # a handover file that cannot be written (folder gone) is reported through the RPC fetch
+    # a handover file that cannot be written (folder gone) leaves the rows for the RPC fetch: nothing is lost
     ho.close()
     run_request(w.model_runner, "r5", "c5")
     w.model_runner.execute_model(step(finished=["r5"]))
-    with pytest.raises(CaptureError, match="handover write failed"):
+    assert list(rt.unwritten["fake"]) == ["c5"]
+    eng.rpcs.clear()
+    assert (await wx.fetch_capture(eng, "fake", "c5"))["rows"] == [5, 1, 1] and eng.rpcs == ["fake.fetch"]
+    assert rt.unwritten["fake"] == {}
+    with pytest.raises(CaptureError, match="already fetched"):
         await wx.fetch_capture(eng, "fake", "c5")
 
 
@@ -445,3 +449,42 @@ def test_handover_sweep_judges_liveness_by_lock_not_pid(tmp_path):
     live.close()
     assert not Path(live.dir).exists() and live._lock_fd is None
     assert sweep_handover_dirs(str(tmp_path)) == []
+
+
+@pytest.mark.fault("worker", "handover folder full (ENOSPC)")
+async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """/dev/shm full: the worker's write fails with ENOSPC; no partial or temporary file is left, the finished
+    request's rows come through the RPC fetch unchanged, a discarded one's are dropped, and the next request
+    (space back) is handed over out of band again."""
+    import errno
+
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.01)
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host())
+    eng = HandoverEngine(rt, ho)
+    real_replace = wx.os.replace
+
+    def full(src, dst):
+        with open(src, "r+b") as f:  # the write got partway
+            f.truncate(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wx.os, "replace", full)
+    for rid, cid in (("r1", "c1"), ("r2", "c2")):
+        run_request(w.model_runner, rid, cid)
+        w.model_runner.execute_model(step(finished=[rid]))
+    assert ho.files() == [] and sorted(rt.unwritten["fake"]) == ["c1", "c2"]
+    assert (await wx.fetch_capture(eng, "fake", "c1"))["rows"] == [5, 1, 1]
+    await wx.discard_capture(eng, "fake", "c2")
+    assert rt.unwritten["fake"] == {}
+    monkeypatch.setattr(wx.os, "replace", real_replace)
+    run_request(w.model_runner, "r3", "c3")
+    w.model_runner.execute_model(step(finished=["r3"]))
+    assert ho.files() == ["fake.c3"]
+    eng.rpcs.clear()
+    assert (await wx.fetch_capture(eng, "fake", "c3"))["rows"] == [5, 1, 1] and eng.rpcs == []
+    ho.close()

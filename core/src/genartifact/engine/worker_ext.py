@@ -163,6 +163,9 @@ class WorkerRuntime:
         self.handover_contents: list[str] = []
         self.handover_written = 0
         self._extra: dict[str, Mapping[str, Any]] = {}  # engine request id -> extra_args (handover only)
+        #: content -> capture id -> fetch answer whose handover file could not be written (folder full or gone):
+        #: kept for the driver's RPC fetch (which comes when no file came in time), dropped by discard
+        self.unwritten: dict[str, dict[str, dict[str, Any]]] = {}
         if self.capturing:
             settings = self.config["settings"]
             for cap in self.host.hooks.worker_captures(worker=worker, settings=settings):
@@ -172,7 +175,7 @@ class WorkerRuntime:
                 if cap.name in self.captures:
                     raise ValueError(f"two worker captures for content {cap.name!r}")
                 self.captures[cap.name] = cap
-                self.flagged[cap.name], self.failed[cap.name] = {}, {}
+                self.flagged[cap.name], self.failed[cap.name], self.unwritten[cap.name] = {}, {}, {}
                 self.gone[cap.name] = collections.OrderedDict()
                 self._keys.append((cap.capture_key, cap.name))
             if self.captures:
@@ -239,7 +242,9 @@ class WorkerRuntime:
     def _handover(self, name: str, cid: str, extra: Mapping[str, Any]) -> None:
         """Write a finished request's fetch answer to ``<handover dir>/<content>.<capture id>`` (msgpack, written
         to a temporary name and renamed, so the driver never reads a partial file). Nothing is written for a
-        capture already fetched or discarded by RPC, or whose id cannot be a file name (RPC then)."""
+        capture already fetched or discarded by RPC, or whose id cannot be a file name (RPC then). When the
+        write fails (``/dev/shm`` full, folder gone) the answer is kept in :attr:`unwritten` for the driver's
+        RPC fetch: rows are never lost to a full folder."""
         if cid in self.gone[name] or not _SAFE.fullmatch(cid):
             return
         cap = self.captures[name]
@@ -265,10 +270,11 @@ class WorkerRuntime:
             with open(path + ".tmp", "wb") as f:
                 f.write(data)
             os.replace(path + ".tmp", path)
-        except Exception as e:  # noqa: BLE001 - the folder is gone (engine shut down) or full: report by RPC
+        except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
             _unlink(path + ".tmp")
-            self.failed[name][cid] = f"handover write failed: {type(e).__name__}: {_exc_text(e)}"
-            log.error("worker_handover_failed", content=name, error=self.failed[name][cid], **self.where)
+            self.unwritten[name][cid] = env
+            log.warning("worker_handover_unwritten", content=name, error=f"{type(e).__name__}: {_exc_text(e)}",
+                        detail="kept for the driver's RPC fetch", **self.where)
             return
         self.handover_written += 1
         self._bury(name, cid, "handed_over")
@@ -347,12 +353,13 @@ class WorkerRuntime:
             cid = str(args[0])
             self.failed[name].pop(cid, None)
             found = cap.drop(cid)
+            found = self.unwritten[name].pop(cid, None) is not None or found
             if self.handover_dir is not None and _SAFE.fullmatch(cid):
                 found = _unlink(os.path.join(self.handover_dir, f"{name}.{cid}")) or found
             self._bury(name, cid, "discarded")
             return found
         if verb == "stats":
-            return {**cap.stats(), "live_flagged": len(self.flagged[name]), "handover": self.handover_dir is not None,
+            return {**cap.stats(), "live_flagged": len(self.flagged[name]), "unwritten": len(self.unwritten[name]), "handover": self.handover_dir is not None,
                     "handed_over": self.handover_written, **self.where}
         fn = cap.verbs().get(verb)
         if fn is None:
@@ -376,6 +383,10 @@ class WorkerRuntime:
             return {"absent": "failed", "error": err, **where}
         if self.gone[name].get(cid) == "handed_over":
             return {"absent": "handed_over", **where}
+        env = self.unwritten[name].pop(cid, None)
+        if env is not None:  # its handover file could not be written: the answer it held comes by RPC
+            self._bury(name, cid, "fetched" if "found" in env else "failed")
+            return env
         payload = cap.pop(cid, list(args[1:]))
         if payload is None:
             return {"absent": self.gone[name].get(cid, "unknown"), **where}
