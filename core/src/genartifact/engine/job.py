@@ -33,7 +33,7 @@ import string
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -462,6 +462,55 @@ def _group_of(data: bytes) -> dict[str, Any] | None:
     return out
 
 
+def _refuse_shared_keys(targets: Mapping[str, Any], specs: dict[int, dict[str, Any]], todo: dict[int, list[int]],
+                        prompts: Sequence[Any], emit: Any, spec_of: Any) -> None:
+    """Refuse (``request_invalid``, before the engine starts) every row one of whose objects — the row's, or a
+    sample's of a group — has the same target object as an earlier row's: two artifacts of a run never share a
+    key. Otherwise the second is an ``object_exists`` failure after inference, and a ``--resume`` would read
+    the first row's object back as the second's (its journaled SHA-256 matches) and call it ready. Keys are
+    compared as the target resolves them (its ``object_id``), for all of a group's samples, not just those
+    still to run. Prompt parts carry a random group id and cannot collide. Rows not run now (ready in an earlier
+    run: ``spec_of(i)`` gives their spec, or None) own their keys first: a ``--resume`` never hands a ready
+    row's object to another row."""
+
+    def objects(i: int, spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+        target = targets.get(spec["delivery"]["target"].get("kind"))
+        if target is None or isinstance(target, PluginFault):
+            return []
+        n = group_size(prompts[i])
+        objs = []
+        for k in range(n) if n > 1 else [None]:
+            s = spec if k is None else sample_spec(spec, k)
+            try:
+                objs.append((str(target.validate(s["delivery"]["target"]).object_id),
+                             f"row {i}" if k is None else f"row {i} sample {k}"))
+            except GenartifactError:
+                continue
+        return objs
+
+    owner: dict[str, str] = {}
+    for i, row in enumerate(prompts):
+        if i not in specs and isinstance(row, dict) and (spec := spec_of(i)) is not None:
+            for o, who in objects(i, spec):
+                owner.setdefault(o, who)
+    for i in sorted(specs):
+        objs = objects(i, specs[i])
+        clash = next(((o, owner[o]) for o, _ in objs if o in owner), None)
+        if clash is None:
+            ids = [o for o, _ in objs]
+            dup = next((o for o in ids if ids.count(o) > 1), None)
+            if dup is not None:
+                clash = (dup, f"another sample of row {i}")
+        if clash is not None:
+            emit(i, {"index": i, "state": "rejected", "error_code": "request_invalid",
+                     "error": f"row {i}: target object {clash[0]!r} is also the target of {clash[1]}; every artifact "
+                              "of a run needs its own object key"})
+            del specs[i]
+            todo.pop(i, None)
+            continue
+        owner.update({o: who for o, who in objs})
+
+
 async def _recover_from_journal(targets: Mapping[str, Any], spec: Mapping[str, Any], journal: Any,
                                 intents: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
     """--resume: a ready receipt for a row whose object is already stored with the SHA-256 that a journaled
@@ -687,6 +736,13 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         else:
             continue
         todo.pop(i, None)
+    def spec_of(i: int) -> dict[str, Any] | None:  # a row not run now (ready earlier): the keys it owns
+        try:
+            return preflight_row(host, targets, prompts[i], contents, target, run_id, i)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - a row that does not preflight owns no key
+            return None
+
+    _refuse_shared_keys(targets, specs, todo, prompts, emit, spec_of)
     if (done or resume) and specs:  # --resume: objects a crashed run stored are recognised by SHA-256 read-back
         intents: dict[str, list[dict[str, Any]]] = {}
         for d in (journal.deliveries() if journal is not None else []):
