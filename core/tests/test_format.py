@@ -501,7 +501,7 @@ def test_frame_does_not_depend_on_how_the_body_is_split():
     for n_cuts in (0, 1, 17, 300):
         cuts = [0, *sorted(rng.integers(1, len(body), size=n_cuts).tolist()), len(body)]
         out: list[bytes] = []
-        fmt._frame_pieces(cctx, [body[a:b] for a, b in zip(cuts, cuts[1:])], len(body), out.append)
+        fmt._frame_pieces(cctx, [body[a:b] for a, b in zip(cuts, cuts[1:], strict=False)], len(body), out.append)
         assert b"".join(out) == enc.data[fmt.PRELUDE_SIZE:], n_cuts
 
 
@@ -510,5 +510,5 @@ def test_encoder_does_not_copy_or_alter_the_callers_tensors():
     before = [t.array.copy() for t in inp.tensors]
     writeable = [t.array.flags.writeable for t in inp.tensors]
     fmt.encode(inp)
-    assert all(np.array_equal(a, t.array) for a, t in zip(before, inp.tensors))
+    assert all(np.array_equal(a, t.array) for a, t in zip(before, inp.tensors, strict=True))
     assert [t.array.flags.writeable for t in inp.tensors] == writeable  # read-only views, not the caller's flags
