@@ -4,10 +4,10 @@
 
 Baseline: single-threaded ``zstandard`` one-shot compression at level 1 (content size written, as ours) of the raw
 tensor bytes, then SHA-256 of the frame. Ours: ``genartifact.format.encode`` (validation, manifest, layout into one
-body, streamed zstd-1 in 1 MiB pieces whose output is hashed while the next piece compresses, SHA-256 of the
-stored bytes). Repetitions alternate the sides in a rotating order (base, ours, ... / ours, ..., base / ...); every
+body's pieces streamed through zstd-1 without assembling the body, each output piece hashed as zstd emits it
+(while it is in cache), validation in a helper thread meanwhile; SHA-256 of the stored bytes). Repetitions alternate the sides in a rotating order (base, ours, ... / ours, ..., base / ...); every
 side reports median and best repetition, plus the per-repetition paired ratios. Also measured: the same encoder
-with every step in the calling thread (compress, then hash), and the floor of the one-shot encoder used before
+with every step in the calling thread (validation, then compress + hash), and the floor of the one-shot encoder used before
 issue 13 (one-shot zstd of our body + SHA-256 of the object, single thread: it cannot hash during compression).
 """
 

@@ -214,79 +214,92 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL, readers: Mapping[str,
     total = payload_start + payload_len
     if total > MAX_DECODED_BYTES:
         raise ArtifactFormatError(f"decoded artifact is {total} bytes; limit {MAX_DECODED_BYTES}")
-    body = np.empty(total, np.uint8)  # one buffer filled in place; only padding is zeroed explicitly
-    body[0:4] = np.frombuffer(struct.pack("<I", len(mbytes)), np.uint8)
-    body[4:head] = np.frombuffer(mbytes, np.uint8)
+    # The body is never assembled: its pieces (length, manifest, zero padding, each tensor's little-endian bytes)
+    # go to zstd's streaming compressor in order, and the readers validate the stored-dtype arrays directly.
+    pieces: list[Any] = [struct.pack("<I", len(mbytes)), mbytes]
+    views: dict[str, np.ndarray] = {}
     pos = head
     for ref, part in zip(refs, parts, strict=True):
         o = payload_start + ref["offset"]
-        body[pos:o] = 0
-        dst = body[o : o + ref["byte_count"]].view(DTYPES[ref["dtype"]]).reshape(ref["shape"])
-        np.copyto(dst, part.array, casting="same_kind")
+        if o > pos:
+            pieces.append(bytes(o - pos))
+        arr = _stored(part.array, DTYPES[ref["dtype"]], ref["shape"])
+        views[ref["name"]] = arr
+        pieces.append(arr.reshape(-1).view(np.uint8).data if arr.size else b"")
         pos = o + ref["byte_count"]
-    data, digest = _compress_and_hash(
-        body, level, lambda: _validate_contents(manifest, _views(manifest, memoryview(body), payload_start), readers))
+    if pos != total:  # pragma: no cover - build_manifest lays tensors out back to back
+        raise ArtifactFormatError(f"tensor layout covers {pos} of {total} body bytes")
+    data, digest = _compress_and_hash(pieces, total, level, lambda: _validate_contents(manifest, views, readers))
     return EncodedArtifact(data=data, byte_count=len(data), sha256=digest, decoded_bytes=total)
 
 
-def _frame_pieces(cctx: Any, body: np.ndarray, emit: Any, stop: Any = None) -> None:
-    """Compress ``body`` (``uint8 [n]``) to one zstd frame with its content size declared, fed to zstd's streaming
-    compressor in :data:`ENCODE_CHUNK_BYTES` pieces (``ZSTD_compressStream2``: continue per piece, end after the
-    last), passing each non-empty output piece to ``emit`` in order. This procedure *is* the format's frame
-    definition (``docs/format.md``): the same body and zstd version give the same bytes. ``stop`` (a
+def _stored(a: np.ndarray, dt: np.dtype[Any], shape: Sequence[int]) -> np.ndarray:
+    """``a`` as the stored tensor: C-contiguous, dtype ``dt`` (little-endian), ``shape``; read-only. ``a`` itself
+    (no copy) when it already is all of that, else a converted copy (``same_kind`` casting, as ``np.copyto``)."""
+    if a.dtype == dt and a.flags.c_contiguous and tuple(a.shape) == tuple(shape):
+        out = a.view()
+    else:
+        out = np.empty(tuple(shape), dt)
+        np.copyto(out, a, casting="same_kind")
+    out.flags.writeable = False
+    return out
+
+
+def _frame_pieces(cctx: Any, pieces: Sequence[Any], size: int, emit: Any, stop: Any = None) -> None:
+    """Compress the body given as ``pieces`` (bytes-like, in order, ``size`` bytes in all) to one zstd frame with
+    its content size declared, through zstd's streaming compressor (``ZSTD_compressStream2``: ``ZSTD_e_continue``
+    per input piece of at most :data:`ENCODE_CHUNK_BYTES`, ``ZSTD_e_end`` after the last), passing each non-empty
+    output piece to ``emit`` in order. zstd's streaming compressor buffers its input into whole blocks, so the
+    frame does not depend on how the body is split into pieces (pinned by ``core/tests/test_format.py``): it is
+    the frame of streaming the whole body — the format's definition (``docs/format.md``). ``stop`` (a
     ``threading.Event``) set between pieces abandons the frame (nothing more is emitted)."""
-    c = cctx.compressobj(size=body.nbytes)
-    mv = memoryview(body)
-    for i in range(0, body.nbytes, ENCODE_CHUNK_BYTES):
-        if stop is not None and stop.is_set():
-            return
-        out = c.compress(mv[i : i + ENCODE_CHUNK_BYTES])
-        if out:
-            emit(out)
+    c = cctx.compressobj(size=size)
+    for piece in pieces:
+        mv = memoryview(piece)
+        for i in range(0, len(mv), ENCODE_CHUNK_BYTES):
+            if stop is not None and stop.is_set():
+                return
+            out = c.compress(mv[i : i + ENCODE_CHUNK_BYTES])
+            if out:
+                emit(out)
     emit(c.flush())
 
 
-def _compress_and_hash(body: np.ndarray, level: int, validate: Any) -> tuple[bytes, str]:
-    """``(prelude + zstd frame of body, SHA-256 hex of those bytes)``, after ``validate()`` returned.
+def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: Any) -> tuple[bytes, str]:
+    """``(prelude + zstd frame of the body, SHA-256 hex of those bytes)``, after ``validate()`` returned; the body
+    is ``pieces`` (``size`` bytes, see :func:`_frame_pieces`).
 
-    The frame is :func:`_frame_pieces`' streamed compression, whatever the encoder overlaps, so the stored bytes
-    do not depend on scheduling. For bodies of at least :data:`PARALLEL_ENCODE_BYTES` the three steps overlap: a
-    helper thread compresses (zstd releases the GIL) while this thread first runs the content validation, then
-    hashes each finished output piece as it arrives (hashlib releases the GIL for large updates) — the object is
-    hashed *while* it is being compressed, which is how encode + SHA-256 beats a one-shot compression followed
-    by a hash (``benchmarks/bench_encode.py``). ``validate`` raising stops the compressor at its next piece,
-    waits for it (the body is never left in use by a thread) and re-raises: nothing is returned."""
+    Each output piece of the streamed compression is hashed as soon as zstd emits it, in the same thread, while
+    it is still in the CPU cache: on this project's box that makes compress + hash *faster* than a one-shot
+    compression followed by a hash of the frame (``benchmarks/bench_encode.py``; a second thread hashing was
+    slower: hand-offs and cross-core cache traffic). For bodies of at least :data:`PARALLEL_ENCODE_BYTES` the
+    content validation (numpy reductions, which release the GIL) runs in a helper thread meanwhile. The frame is
+    the same whatever runs where. ``validate`` raising stops the compression at its next piece and re-raises:
+    nothing is returned, and no thread is left using the inputs."""
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
     prelude = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD)
     parts = [prelude]
-    if body.nbytes < PARALLEL_ENCODE_BYTES:
-        validate()
-        _frame_pieces(cctx, body, parts.append)
-        data = b"".join(parts)
-        return data, hashlib.sha256(data).hexdigest()
-    import queue
-
-    pieces: Any = queue.SimpleQueue()
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            _frame_pieces(cctx, body, pieces.put, stop)
-        finally:
-            pieces.put(None)
-
-    compressing = _hash_pool().submit(produce)
-    try:
-        validate()
-    except BaseException:
-        stop.set()
-        compressing.exception()  # wait for it: the body is never left in use by a thread; its output is dropped
-        raise
     h = hashlib.sha256(prelude)
-    while (piece := pieces.get()) is not None:
+
+    def emit(piece: bytes) -> None:
         h.update(piece)
         parts.append(piece)
-    compressing.result()  # re-raises a compressor error
+
+    if size < PARALLEL_ENCODE_BYTES:
+        validate()
+        _frame_pieces(cctx, pieces, size, emit)
+        return b"".join(parts), h.hexdigest()
+    validating = _hash_pool().submit(validate)
+
+    class _Failed:  # stop flag for _frame_pieces: set once validation has raised
+        def is_set(self) -> bool:
+            return validating.done() and validating.exception() is not None
+
+    try:
+        _frame_pieces(cctx, pieces, size, emit, _Failed())
+    finally:
+        validating.exception()  # wait for it, whatever happened here: no thread is left using the inputs
+    validating.result()  # re-raises the validation error: the frame is dropped
     return b"".join(parts), h.hexdigest()
 
 
@@ -481,8 +494,8 @@ def _usable_cpus() -> int:
 #: Only with more than two usable CPUs: on a 2-core box shared with an engine the helper thread finds no free
 #: core and the hand-off costs more than it saves (measured, ``benchmarks/bench_decode.py``).
 PARALLEL_HASH_BYTES = 1 << 20 if _usable_cpus() > 2 else 1 << 62
-#: bodies at least this large (bytes) are encoded with compression, validation and hashing overlapped in helper
-#: threads (:func:`_compress_and_hash`); smaller ones inline (the hand-off costs more than it saves).
+#: bodies at least this large (bytes) are encoded with the content validation in a helper thread while this thread
+#: compresses and hashes (:func:`_compress_and_hash`); smaller ones inline (the hand-off costs more than it saves).
 PARALLEL_ENCODE_BYTES = 1 << 20
 #: input bytes fed to zstd's streaming compressor per call: part of the frame definition (:func:`_frame_pieces`)
 ENCODE_CHUNK_BYTES = 1 << 20
