@@ -488,3 +488,21 @@ async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_fil
     eng.rpcs.clear()
     assert (await wx.fetch_capture(eng, "fake", "c3"))["rows"] == [5, 1, 1] and eng.rpcs == []
     ho.close()
+
+
+@pytest.mark.fault("worker", "handover file that is not a worker's answer")
+@pytest.mark.parametrize("data", [b"", b"\xc1garbage", b"\x93\x01\x02\x03", b"\x81\xa1x\x01"],
+                         ids=["empty", "not-msgpack", "array", "other-map"])
+async def test_unreadable_handover_file_fails_its_capture_clearly(tmp_path, data):
+    """A handover file that does not decode to a worker's answer (torn, or put there by another process) fails
+    that capture with a CaptureError naming the file, never a decoder exception nor rows taken as found."""
+    import genartifact.engine.worker_ext as wx
+
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    (Path(ho.dir) / "fake.c9").write_bytes(data)
+    eng = types.SimpleNamespace(handover=ho, data_parallel_size=1)
+    with pytest.raises(CaptureError, match="handover file fake.c9"):
+        await wx.fetch_capture(eng, "fake", "c9")
+    assert ho.files() == []
+    ho.close()

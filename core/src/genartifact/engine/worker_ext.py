@@ -602,7 +602,16 @@ class Handover:
         import msgspec
 
         self.taken += 1
-        return msgspec.msgpack.decode(data)
+        try:
+            env = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError as e:  # not what a worker writes (renamed into place whole): never trusted
+            env = None
+            err = f"handover file {os.path.basename(path)} unreadable ({len(data)} bytes): {e}"
+        else:
+            err = f"handover file {os.path.basename(path)} is not a worker's answer"
+        if not isinstance(env, dict) or not ("found" in env or "absent" in env):
+            return {"absent": "failed", "error": err}
+        return env
 
     async def take(self, content: str, capture_id: str, wait_s: float = HANDOVER_WAIT_S) -> Mapping[str, Any] | None:
         """:meth:`read`, waiting up to ``wait_s`` seconds for the file (polled: 0.5 ms, doubling to 20 ms)."""
