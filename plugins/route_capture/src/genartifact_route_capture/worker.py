@@ -29,12 +29,13 @@ START_KEY = "genartifact_routes_start"  # extra_args: first position to hand ove
 log = structlog.get_logger("genartifact.route_capture.worker")
 
 
-class RouteCapture(WorkerCapture):
-    """Routes of flagged requests, recorded on one worker. ``pop(cid, [start, end])`` returns the rows of
-    positions ``start .. end-1`` (see :meth:`RouteRecorder.fetch`)."""
-
-    name = NAME
-    capture_key = CAPTURE_KEY
+class RecordingCapture(WorkerCapture):
+    """Per-router rows of flagged requests, recorded on one worker by absolute position with a
+    :class:`RouteRecorder` (``[routers, positions, top_k]`` of :meth:`row_dtype`). The shared worker side of the
+    route contents (``moe_routes`` here, ``moe_route_weights`` in genartifact-route-weights): a subclass sets
+    ``name``/``capture_key``, gives its buffer dtype and feeds :meth:`capture` from the routers in
+    :meth:`install`. ``pop(cid, [start, end])`` returns the rows of positions ``start .. end-1`` (see
+    :meth:`RouteRecorder.fetch`), passed through :meth:`answer`."""
 
     def __init__(self, worker: Any) -> None:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
@@ -44,21 +45,28 @@ class RouteCapture(WorkerCapture):
         model = mr.get_model() if hasattr(mr, "get_model") else mr.model
         vcfg = worker.vllm_config
         lay = resolve_layout(vcfg.model_config.hf_text_config.to_dict())
-        runners = [m for m in model.modules() if isinstance(m, MoERunner)]
-        found = sorted(int(m.layer_id) for m in runners)
+        runners = sorted((m for m in model.modules() if isinstance(m, MoERunner)), key=lambda m: int(m.layer_id))
+        found = [int(m.layer_id) for m in runners]
         if found != list(lay.router_ids):
             raise RuntimeError(f"MoE runners at layers {found} disagree with the config's router layout "
                                f"{list(lay.router_ids)} (pipeline parallelism is not supported by worker capture)")
-        self.recorder = RouteRecorder(
-            router_ids=lay.router_ids, top_k=lay.top_k,
-            dtype=np.dtype("<u1") if lay.itemsize == 1 else np.dtype("<u2"),
-            max_positions=int(vcfg.model_config.max_model_len),
-        )
+        self.recorder = RouteRecorder(router_ids=lay.router_ids, top_k=lay.top_k, dtype=self.row_dtype(lay),
+                                      max_positions=int(vcfg.model_config.max_model_len))
         self.step: WorkerStep | None = None
         self.step_ready = False
-        for m in runners:
-            m.router.set_capture_fn(functools.partial(self.capture, int(m.layer_id)))
-        log.info("route_capture_installed", routers=len(found), runner=type(mr).__name__)
+        self.install(runners)
+
+    def row_dtype(self, lay: Any) -> np.dtype[Any]:
+        """The recorder's buffer dtype for the router layout ``lay``."""
+        raise NotImplementedError
+
+    def install(self, runners: Sequence[Any]) -> None:
+        """Make every MoE runner's router (in layer order) call :meth:`capture`."""
+        raise NotImplementedError
+
+    def answer(self, out: dict[str, Any]) -> dict[str, Any]:
+        """A fetched answer as handed to the driver (a subclass may add fields)."""
+        return out
 
     # step hook
     def begin_step(self, step: WorkerStep) -> None:
@@ -74,36 +82,37 @@ class RouteCapture(WorkerCapture):
         ib = mr.input_batch
         sched = so.num_scheduled_tokens
         computed = ib.num_computed_tokens_cpu
-        flagged = self.step.flagged.get(NAME, {})  # type: ignore[union-attr]
+        flagged = self.step.flagged.get(self.name, {})  # type: ignore[union-attr]
         segs = [(flagged.get(rid), int(computed[i]), int(sched.get(rid, 0)))
                 for i, rid in enumerate(ib.req_ids[: ib.num_reqs])]
         self.recorder.begin_step(segs)
         self.step_ready = True
 
-    def capture(self, layer_id: int, topk_ids: Any) -> None:
-        """Router callback: ``topk_ids`` ``[tokens_in_step, top_k]`` of MoE layer ``layer_id``."""
+    def capture(self, layer_id: int, rows: Any) -> None:
+        """Router callback: ``rows`` ``[tokens_in_step, top_k]`` (a torch tensor) of MoE layer ``layer_id``."""
         if self.step is None:  # no flagged request this step, or profile/dummy runs outside execute_model
             return
         if not self.step_ready:
             self._begin()
         if self.recorder._step is None:  # no flagged request scheduled in this step
             return
-        self.recorder.on_layer(layer_id, topk_ids.detach())
+        self.recorder.on_layer(layer_id, rows.detach())
 
     # capture-id verbs
     def pop(self, capture_id: str, args: Sequence[Any]) -> Any | None:
         start, end = args
-        return self.recorder.fetch(capture_id, int(start), int(end))
+        out = self.recorder.fetch(capture_id, int(start), int(end))
+        return None if out is None else self.answer(out)
 
     def handover(self, capture_id: str, extra_args: Any) -> Any | None:
         """Rows of a finished request for out-of-band handover: positions ``start .. forwarded-1``, ``start``
         from ``extra_args["genartifact_routes_start"]`` (default 0), ``forwarded`` = positions the request fed
-        through the model (prompt + completion - 1)."""
+        through the model (prompt + completion - 1); as :meth:`pop` gives them."""
         r = self.recorder.reqs.get(capture_id)
         if r is None:
             return None
         start = int((extra_args or {}).get(START_KEY, 0) or 0)
-        return self.recorder.fetch(capture_id, start, max(start, r.max_pos))
+        return self.pop(capture_id, [start, max(start, r.max_pos)])
 
     def drop(self, capture_id: str) -> bool:
         return self.recorder.discard(capture_id)
@@ -112,3 +121,18 @@ class RouteCapture(WorkerCapture):
         rec = self.recorder
         return {"requests": len(rec.reqs), "retained_bytes": rec.retained_bytes(), "steps": rec.steps,
                 "recomputed_positions": rec.recomputed_positions}
+
+
+class RouteCapture(RecordingCapture):
+    """Routes (expert ids) of flagged requests, recorded on one worker: u8 or u16 by the layout's expert count."""
+
+    name = NAME
+    capture_key = CAPTURE_KEY
+
+    def row_dtype(self, lay: Any) -> np.dtype[Any]:
+        return np.dtype("<u1") if lay.itemsize == 1 else np.dtype("<u2")
+
+    def install(self, runners: Sequence[Any]) -> None:
+        for m in runners:
+            m.router.set_capture_fn(functools.partial(self.capture, int(m.layer_id)))
+        log.info("route_capture_installed", routers=len(runners), runner=type(self.worker.model_runner).__name__)
