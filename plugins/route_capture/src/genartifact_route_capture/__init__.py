@@ -35,7 +35,7 @@ from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
 from genartifact.format import DTYPES, TensorPart, route_dtype_code
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 
-from genartifact_route_capture.layout import RouterLayout, resolve_layout
+from genartifact_route_capture.layout import RouterLayout, resolve_layout, worker_rows
 
 hookimpl = pluggy.HookimplMarker("genartifact")
 NAME = "moe_routes"
@@ -137,16 +137,7 @@ class MoeRoutes:
         r = await fetch_capture(final.engine, NAME, self.capture_id, self.start, positions)
         lay = self._lay()
         rows = max(0, positions - self.start)
-        arr = np.frombuffer(r["data"], dtype=np.dtype(r["dtype"])).reshape(r["shape"])
-        if arr.ndim == 3 and arr.shape[1] > rows:  # handed over up to the last forwarded position: trim
-            arr = arr[:, :rows]
-            if r.get("missing") is not None and r["missing"][0] >= self.start + rows:
-                r = {**r, "missing": None}  # the holes lie beyond the completion the engine reported
-        if arr.shape != (lay.routers, rows, lay.top_k):
-            raise CaptureError(f"moe_routes: worker rows shape {arr.shape}; expected {(lay.routers, rows, lay.top_k)}")
-        if r.get("missing") is not None:
-            first, count = r["missing"]
-            raise CaptureError(f"moe_routes: {count} positions have no routing rows (first: {first})")
+        arr = worker_rows(r, lay, content=NAME, start=self.start, rows=rows, missing_what="routing rows")
         self._check_range(arr)
         self._routes = arr.astype(self._dtype(), copy=False)
 

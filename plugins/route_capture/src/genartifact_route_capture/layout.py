@@ -118,3 +118,33 @@ def resolve_layout(cfg: Mapping[str, Any]) -> RouterLayout:
     if not ids:
         raise AdmissionError(f"model config ({mt}) yields no MoE layer; moe_routes cannot be captured")
     return RouterLayout(tuple(ids), experts, top_k, layers)
+
+
+def worker_rows(answer: Mapping[str, Any], layout: RouterLayout, *, content: str, start: int, rows: int,
+                missing_what: str, dtype: Any = None) -> Any:
+    """The ``[routers, rows, top_k]`` array of a worker's fetch answer (``{"data", "dtype", "shape", "missing"}``,
+    :meth:`~genartifact_route_capture.recorder.RouteRecorder.fetch`) for positions ``start .. start+rows-1``: a
+    read-only view of ``answer["data"]``. An out-of-band handover sends rows up to the last *forwarded* position,
+    which may lie beyond the completion the engine reported: those are trimmed, and holes only there are no
+    holes. ``dtype``: when given, the dtype the answer must have. Shared by every content recorded with
+    :class:`RouteRecorder` (``moe_routes``, ``moe_route_weights``).
+
+    Raises :class:`~genartifact.errors.CaptureError` (prefixed ``content``) for another dtype, a shape other than
+    ``[layout.routers, rows, layout.top_k]``, or positions with no rows (``missing_what`` names them)."""
+    import numpy as np
+    from genartifact.errors import CaptureError
+
+    if dtype is not None and np.dtype(answer["dtype"]) != np.dtype(dtype):
+        raise CaptureError(f"{content}: worker rows dtype {answer['dtype']}; expected {np.dtype(dtype).str}")
+    arr = np.frombuffer(answer["data"], dtype=np.dtype(answer["dtype"])).reshape(answer["shape"])
+    missing = answer.get("missing")
+    if arr.ndim == 3 and arr.shape[1] > rows:  # handed over up to the last forwarded position: trim
+        arr = arr[:, :rows]
+        if missing is not None and missing[0] >= start + rows:
+            missing = None  # the holes lie beyond the completion the engine reported
+    if arr.shape != (layout.routers, rows, layout.top_k):
+        raise CaptureError(f"{content}: worker rows shape {arr.shape}; expected {(layout.routers, rows, layout.top_k)}")
+    if missing is not None:
+        first, count = missing
+        raise CaptureError(f"{content}: {count} positions have no {missing_what} (first: {first})")
+    return arr

@@ -51,7 +51,7 @@ from genartifact.engine.worker_ext import discard_capture, fetch_capture
 from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError, ConfigError
 from genartifact.format import TensorPart
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
-from genartifact_route_capture.layout import RouterLayout, resolve_layout
+from genartifact_route_capture.layout import RouterLayout, resolve_layout, worker_rows
 
 hookimpl = pluggy.HookimplMarker("genartifact")
 NAME = "moe_route_weights"
@@ -159,19 +159,8 @@ class MoeRouteWeights:
             raise CaptureError(f"moe_route_weights: {rows} rows; admitted at most {self._max_rows}")
         self._fetched = True  # fetch pops the worker's rows
         r = await fetch_capture(final.engine, NAME, self.capture_id, self.start, positions)
-        if np.dtype(r["dtype"]) != np.dtype("<f4"):
-            raise CaptureError(f"moe_route_weights: worker rows dtype {r['dtype']}; expected <f4")
-        arr = np.frombuffer(r["data"], np.float32).reshape(r["shape"])
-        if arr.ndim == 3 and arr.shape[1] > rows:  # handed over up to the last forwarded position: trim
-            arr = arr[:, :rows]
-            if r.get("missing") is not None and r["missing"][0] >= self.start + rows:
-                r = {**r, "missing": None}  # the holes lie beyond the completion the engine reported
-        if arr.shape != (lay.routers, rows, lay.top_k):
-            raise CaptureError(f"moe_route_weights: worker rows shape {arr.shape}; "
-                               f"expected {(lay.routers, rows, lay.top_k)}")
-        if r.get("missing") is not None:
-            first, count = r["missing"]
-            raise CaptureError(f"moe_route_weights: {count} positions have no router weights (first: {first})")
+        arr = worker_rows(r, lay, content=NAME, start=self.start, rows=rows, missing_what="router weights",
+                          dtype="<f4")
         if arr.size and not (np.isfinite(arr).all() and float(arr.min()) >= 0.0):
             raise CaptureError("moe_route_weights: router weights not finite and >= 0")
         scales = ([float(x) for x in r.get("router_scale", [1.0] * lay.routers)],
