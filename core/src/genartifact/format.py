@@ -245,19 +245,19 @@ def _stored(a: np.ndarray, dt: np.dtype[Any], shape: Sequence[int]) -> np.ndarra
     return out
 
 
-def _frame_pieces(cctx: Any, pieces: Sequence[Any], size: int, emit: Any, stop: Any = None) -> None:
+def _frame_pieces(cctx: Any, pieces: Sequence[Any], size: int, emit: Any, stopped: Any = None) -> None:
     """Compress the body given as ``pieces`` (bytes-like, in order, ``size`` bytes in all) to one zstd frame with
     its content size declared, through zstd's streaming compressor (``ZSTD_compressStream2``: ``ZSTD_e_continue``
     per input piece of at most :data:`ENCODE_CHUNK_BYTES`, ``ZSTD_e_end`` after the last), passing each non-empty
     output piece to ``emit`` in order. zstd's streaming compressor buffers its input into whole blocks, so the
     frame does not depend on how the body is split into pieces (pinned by ``core/tests/test_format.py``): it is
-    the frame of streaming the whole body — the format's definition (``docs/format.md``). ``stop`` (a
-    ``threading.Event``) set between pieces abandons the frame (nothing more is emitted)."""
+    the frame of streaming the whole body — the format's definition (``docs/format.md``). ``stopped`` (a
+    callable) returning true between pieces abandons the frame (nothing more is emitted)."""
     c = cctx.compressobj(size=size)
     for piece in pieces:
         mv = memoryview(piece)
         for i in range(0, len(mv), ENCODE_CHUNK_BYTES):
-            if stop is not None and stop.is_set():
+            if stopped is not None and stopped():
                 return
             out = c.compress(mv[i : i + ENCODE_CHUNK_BYTES])
             if out:
@@ -290,13 +290,8 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
         _frame_pieces(cctx, pieces, size, emit)
         return b"".join(parts), h.hexdigest()
     validating = _hash_pool().submit(validate)
-
-    class _Failed:  # stop flag for _frame_pieces: set once validation has raised
-        def is_set(self) -> bool:
-            return validating.done() and validating.exception() is not None
-
     try:
-        _frame_pieces(cctx, pieces, size, emit, _Failed())
+        _frame_pieces(cctx, pieces, size, emit, lambda: validating.done() and validating.exception() is not None)
     finally:
         validating.exception()  # wait for it, whatever happened here: no thread is left using the inputs
     validating.result()  # re-raises the validation error: the frame is dropped
