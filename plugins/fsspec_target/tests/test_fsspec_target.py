@@ -110,6 +110,52 @@ def test_local_write_failure_leaves_nothing(tmp_path):
     assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
 
 
+def test_local_write_syncs_the_file_then_the_directory_after_publishing(tmp_path, monkeypatch):
+    """The receipt must not outrun the disk: the object's bytes are fsynced before the link, and the directory
+    (holding the new name) after it, so a power loss right after ``ready`` cannot lose the key."""
+    import stat
+
+    events = []
+    real_fsync, real_link = os.fsync, os.link
+
+    def fsync(fd):
+        events.append("fsync_dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync_file")
+        return real_fsync(fd)
+
+    def link(src, dst):
+        events.append("link")
+        return real_link(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    t = target(tmp_path)
+    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
+    asyncio.run(t.deliver(v, b"bytes", "x"))
+    assert events == ["fsync_file", "link", "fsync_dir"]
+    assert os.listdir(tmp_path / "runs/a") == ["b.gart"]
+
+
+@pytest.mark.fault("managed", "directory fsync failing after the publish (file://)")
+def test_local_directory_sync_failure_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+    import stat
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    t = target(tmp_path)
+    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
+    with pytest.raises(DeliveryError) as e:
+        asyncio.run(t.deliver(v, b"bytes", "x"))
+    assert e.value.code == "delivery_failed"
+    assert os.listdir(tmp_path / "runs/a") == []  # no key (no receipt, no object) and no temp file
+
+
 @pytest.mark.fault("managed", "second write to a memory:// key")
 def test_memory_create_only(mem_root):
     t = target("/unused", mem_root)

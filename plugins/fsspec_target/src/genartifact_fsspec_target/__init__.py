@@ -342,13 +342,16 @@ _UMASK = _read_umask()
 
 def _write_local_create_only(dest: Path, data: bytes) -> None:
     """Temp file in the destination directory, fsync, ``os.link`` to the key (atomic; EEXIST if taken), unlink
-    the temp. Any OSError (ENOSPC, EDQUOT, EACCES...) leaves neither the key nor the temp file behind."""
+    the temp, fsync the directory (so the key's directory entry is on disk before the receipt says ``ready``:
+    a file's fsync does not make a *later* link durable). Any OSError (ENOSPC, EDQUOT, EACCES, EIO...) leaves
+    neither the key nor the temp file behind."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=dest.parent)
     except OSError as e:
         log.warning("managed_write_failed", errno=e.errno)
         raise DeliveryError("managed artifact write failed") from None
+    published = False
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; published objects follow the umask like any file
         with os.fdopen(fd, "wb") as f:
@@ -356,16 +359,34 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.link(tmp, dest)  # atomic publish; EEXIST if the key exists
+        published = True
+        _unlink_quiet(tmp)
+        _fsync_dir(dest.parent)
     except FileExistsError:
         raise DeliveryError("managed artifact object already exists", "object_exists") from None
     except OSError as e:
         log.warning("managed_write_failed", errno=e.errno)
+        if published:  # the directory could not be synced: no receipt, so no object either
+            _unlink_quiet(str(dest))
         raise DeliveryError("managed artifact write failed") from None
     finally:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quiet(tmp)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries: a new link, a removed temp name). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # memory:// is one process-global dict (fsspec MemoryFileSystem.store); this lock makes check-and-write atomic
