@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
+from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -197,6 +197,7 @@ def main() -> None:
                     help="fetch worker rows by collective_rpc instead of the out-of-band handover")
     add_smoke(ap)
     args = ap.parse_args()
+    product_logging()
     if args.smoke:
         args.requests, args.inflight, args.max_tokens, args.rounds = 4, 4, 4, 1
     CONTENTS[:] = args.contents.split(",")

@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
+from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line  # noqa: E402
 
 
 def free_port() -> int:
@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     add_smoke(ap)
     args = ap.parse_args()
+    product_logging()
     if args.smoke:
         args.rounds, args.requests, args.inflight, args.max_tokens, args.prompt_tokens = 1, 4, 4, 4, 8
     merge_speed((300, 600) if args.smoke else (3000, 6000))

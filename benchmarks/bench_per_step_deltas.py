@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
+from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.",
            "Once upon a time, in a small village near the mountains, there lived an old woman who kept bees.",
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     add_smoke(ap)
     args = ap.parse_args()
+    product_logging()
     if args.smoke:
         args.requests, args.inflight, args.max_tokens, args.rounds = 4, 4, 4, 1
     asyncio.run(main_async(args))

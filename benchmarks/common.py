@@ -81,3 +81,11 @@ def load_line() -> str:
 
     a, b, c = os.getloadavg()
     return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"
+
+
+def product_logging() -> None:
+    """Configure logging as the ``genartifact`` CLI does by default (console lines, level INFO), so an in-process
+    engine benchmark pays the product's per-request logging, not structlog's unconfigured default (every level)."""
+    from genartifact.logging import configure_logging
+
+    configure_logging()

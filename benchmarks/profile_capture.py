@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_capture_overhead as bco  # noqa: E402
-from common import add_smoke, load_line  # noqa: E402
+from common import add_smoke, load_line, product_logging  # noqa: E402
 
 IDLE = ("select", "poll", "epoll", "wait (threading", "_wait_for_tstate_lock", "recv_multipart", "acquire_read",
         "dequeue", "busy_loop", "_run_once (asyncio", "get (queue", "sleep")
@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--no-spy", action="store_true", help="CPU times only, no py-spy stacks")
     add_smoke(ap)
     args = ap.parse_args()
+    product_logging()
     if args.smoke:
         args.requests, args.max_tokens, args.seconds = 4, 4, 2
     if args.summarize:

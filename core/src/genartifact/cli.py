@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import re
 import sys
 from collections.abc import Mapping
@@ -622,6 +623,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``argv`` (the command line) selects which plugin command, if any, is loaded."""
     ap = argparse.ArgumentParser(prog="genartifact", description=__doc__)
     ap.add_argument("--log-json", action="store_true", help="JSON log lines instead of console output")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="least severe log lines shown (debug adds one artifact_ready line per stored artifact)")
     ap.add_argument("--traceback", action="store_true", help="print the full traceback of any error")
     ap.add_argument("--config", dest="global_config", metavar="CONFIG",
                     help="TOML config for any subcommand (same as the subcommand's --config)")
@@ -709,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.config!r} after it); give it once")
             args.config = glob
         args.engine_argv = extra  # vLLM engine arguments, parsed by the engine command (engine_args.engine_kwargs)
-        configure_logging(json_lines=args.log_json)
+        configure_logging(json_lines=args.log_json, level=getattr(logging, args.log_level.upper()))
         return int(args.fn(args) or 0)
     except GenartifactError as e:
         if show_tb:

@@ -136,7 +136,8 @@ class EncodedArtifact:
 
 
 def _check_name(name: str) -> None:
-    if not name or len(name) > 128 or not all(c.isalnum() or c in "._" for c in name):
+    rest = name.replace(".", "").replace("_", "")  # every other character must be alphanumeric (str.isalnum)
+    if not name or len(name) > 128 or (rest and not rest.isalnum()):
         raise ArtifactFormatError(f"tensor name {name!r} invalid: 1..128 chars of [A-Za-z0-9._]")
 
 
@@ -265,6 +266,23 @@ def _frame_pieces(cctx: Any, pieces: Sequence[Any], size: int, emit: Any, stoppe
     emit(c.flush())
 
 
+_COMPRESSORS = threading.local()
+
+
+def _compressor(level: int) -> Any:
+    """This thread's ``ZstdCompressor`` for ``level`` (content size written, no zstd checksum), made once per thread
+    and level: building one costs about as much as compressing a small artifact, and a compressor serves one
+    compression at a time (python-zstandard's objects are not for concurrent use), which a per-thread one
+    guarantees. Reusing it does not change the frame: every ``compressobj`` starts a fresh frame."""
+    cache = getattr(_COMPRESSORS, "by_level", None)
+    if cache is None:
+        cache = _COMPRESSORS.by_level = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    return c
+
+
 def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: Any) -> tuple[bytes, str]:
     """``(prelude + zstd frame of the body, SHA-256 hex of those bytes)``, after ``validate()`` returned; the body
     is ``pieces`` (``size`` bytes, see :func:`_frame_pieces`).
@@ -276,7 +294,7 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
     content validation (numpy reductions, which release the GIL) runs in a helper thread meanwhile. The frame is
     the same whatever runs where. ``validate`` raising stops the compression at its next piece and re-raises:
     nothing is returned, and no thread is left using the inputs."""
-    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    cctx = _compressor(level)
     prelude = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD)
     parts = [prelude]
     h = hashlib.sha256(prelude)

@@ -419,7 +419,9 @@ class ArtifactSession:
             await self._journal_outcome(did, "ready")
             did = None
             object_id = validated.object_id  # the receipt carries the validated id (GuardedTarget checks)
-            log.info("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
+            # debug, not info: the receipt already says it, and one console line per artifact costs more driver
+            # time than encoding a small artifact (docs/benchmarks.md, issue 13); `--log-level debug` shows it
+            log.debug("artifact_ready", object_id=object_id, byte_count=enc.byte_count, sha256=enc.sha256)
             return self._ready_receipt(enc, validated)
         except PluginFault:  # logged with the plugin's name when raised
             await self._journal_outcome(did, "failed", "internal_error")
