@@ -392,3 +392,78 @@ def test_decode_of_builtin_contents_needs_neither_vllm_nor_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------ consumes_deltas
+class CollectOnly(Echo):
+    """A content whose data arrives in ``collect`` (like a worker-side capture): it declares
+    ``consumes_deltas = False`` and fails loudly if the host still feeds it deltas or polls it per delta."""
+
+    consumes_deltas = False
+
+    def __init__(self, name="echo", big=False):
+        super().__init__(name)
+        self.big, self.polled = big, 0
+
+    def on_delta(self, delta):
+        raise AssertionError("on_delta called on a content that consumes no deltas")
+
+    async def collect(self, final):
+        self.vals = list(final.completion_token_ids) * (1000 if self.big else 1)
+
+    def retained_bytes(self):
+        self.polled += 1
+        return 4 * len(self.vals)
+
+
+def _collect_only_plugin(**kw):
+    made = []
+
+    class Plugin:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            if name != "echo":
+                return None
+            made.append(CollectOnly(name, **kw))
+            return made[-1]
+
+        @hookimpl
+        def genartifact_content_reader(self, name):
+            return EchoReader() if name == "echo" else None
+
+    return Plugin(), made
+
+
+def test_content_that_consumes_no_deltas_gets_none_and_is_still_bounded_at_finalize():
+    plugin, made = _collect_only_plugin()
+    res = run_session(make_host(contents={"echo": plugin}), ["echo"], [1, 2, 3], [4, 5, 6, 7])  # per-step deltas
+    assert res.receipt["state"] == "ready" and res.artifact.tensors["echo.values"].tolist() == [4, 5, 6, 7]
+    assert made[0].polled <= 1  # never polled per delta (at most once for the final retained figure)
+    plugin, made = _collect_only_plugin(big=True)
+    host = make_host(contents={"echo": plugin})
+    with structlog.testing.capture_logs() as logs:
+        res = run_session(host, ["echo"], [1, 2, 3], [4, 5])
+    assert res.receipt["error_code"] == "internal_error"  # over its admitted bytes: the bound holds after collect
+    assert any(e["event"] == "plugin_fault" and e["method"] == "retained_bytes" for e in logs)
+    assert host.memory_store == {}
+
+
+def test_session_still_checks_max_tokens_without_delta_fed_contents():
+    plugin, _ = _collect_only_plugin()
+    res = run_session(make_host(contents={"echo": plugin}), ["echo"], [1, 2], [3, 4, 5], max_tokens=2)
+    assert res.receipt["state"] == "failed" and res.receipt["error_code"] == "capture_invalid"
+
+
+def test_consumes_deltas_attribute_raising_is_a_plugin_fault_at_admission():
+    class Broken(Echo):
+        @property
+        def consumes_deltas(self):
+            raise RuntimeError("no idea")
+
+    class Plugin:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return Broken(name) if name == "echo" else None
+
+    with pytest.raises(PluginFault, match="consumes_deltas"):
+        run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3])

@@ -233,6 +233,16 @@ class GuardedProducer:
         """True if the content needs one delta per engine step (attribute ``per_step_deltas`` of the producer)."""
         return bool(getattr(self.inner, "per_step_deltas", False))
 
+    @property
+    def consumes_deltas(self) -> bool:
+        """False if the producer declares ``consumes_deltas = False`` (it takes nothing from deltas; its data comes
+        from ``collect``): the session then skips its ``on_delta`` and per-delta ``retained_bytes``. A plugin
+        whose attribute raises is at fault (:class:`PluginFault`)."""
+        try:
+            return bool(getattr(self.inner, "consumes_deltas", True))
+        except Exception as e:  # noqa: BLE001 - isolated: attributed to the plugin
+            raise fault(self.info, "consumes_deltas", e) from e
+
     def admit(self, ctx: Any) -> int:
         n = call_plugin(self.info, "admit", self.inner.admit, ctx, expected=(AdmissionError,))
         if not _is_count(n):

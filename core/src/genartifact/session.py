@@ -190,6 +190,8 @@ class ArtifactSession:
                 f"worst-case encoded artifact is {bound} bytes; target max_bytes is {validated.max_bytes}; "
                 f"lower max_tokens or raise the target's max_bytes"
             )
+        # producers fed per delta (the others declared consumes_deltas = False: their data comes from collect)
+        self._delta_producers = [p for p in self._producers if p.consumes_deltas]
         self._validated = validated
         self.prompt_token_count, self.max_tokens = prompt_token_count, max_tokens
         self.budget, self.encoded_bound = decoded, bound
@@ -246,14 +248,16 @@ class ArtifactSession:
             self._completion.extend(delta.new_token_ids)
         except OverflowError:
             raise CaptureError("token id out of range 0..2**32-1") from None
-        # the per-step hot path: each producer's on_delta + retained_bytes in one guarded call, then the budget
-        retained = TOKEN_BYTES * (n_prompt + len(self._completion))
-        for p in self._producers:
-            retained += p.on_delta_retained(delta)
-        if retained > self.peak_retained:
-            self.peak_retained = retained
-        if retained > self.budget:
-            raise CaptureError(f"retained {retained} bytes exceed the admitted budget of {self.budget} bytes")
+        # the per-step hot path: each delta-fed producer's on_delta + retained_bytes in one guarded call (the
+        # others retain nothing between collects), then the budget
+        if self._delta_producers:
+            retained = TOKEN_BYTES * (n_prompt + len(self._completion))
+            for p in self._delta_producers:
+                retained += p.on_delta_retained(delta)
+            if retained > self.peak_retained:
+                self.peak_retained = retained
+            if retained > self.budget:
+                raise CaptureError(f"retained {retained} bytes exceed the admitted budget of {self.budget} bytes")
         self._finished = delta.finished
 
     def record_or_fail(self, delta: Delta) -> None:

@@ -95,7 +95,9 @@ class ContentProducer(Protocol):
     ``discard(engine)`` (optional) and ``release`` always, also after errors.
 
     Required: every method below except ``discard``. Optional attributes: ``per_step_deltas = True`` when the
-    content needs one delta per engine step (e.g. per-token timestamps); ``discard``. Exceptions: ``admit``
+    content needs one delta per engine step (e.g. per-token timestamps); ``consumes_deltas = False`` (read at
+    admission) when it takes nothing from deltas (its data comes from ``collect``): the host then skips its
+    ``on_delta`` and per-delta ``retained_bytes`` calls; ``discard``. Exceptions: ``admit``
     and ``sampling_overrides`` may raise ``AdmissionError`` (request rejected before inference); ``on_delta``,
     ``collect`` and ``finalize`` may raise ``CaptureError`` (receipt ``capture_invalid``). Anything else, or a
     wrong return value, is a plugin fault: that request's receipt is ``failed`` / ``internal_error`` and the

@@ -47,6 +47,8 @@ class SelectedLogprobs:
                               and os.environ.get("GENARTIFACT_LOGPROBS_SOURCE", "worker") != "engine")
         self.capture_id: str | None = None
         self._fetched = False
+        # worker source: the values come from collect; max_tokens per delta is the session's own check
+        self.consumes_deltas = not self.worker_source
 
     def admit(self, ctx: AdmissionContext) -> int:
         lp = ctx.sampling.get("logprobs")

@@ -53,6 +53,7 @@ class MoeRoutes:
         self.model = model
         self.layout: RouterLayout | None = None
         self.native = bool(model.engine_options.get("native_routed_experts"))
+        self.consumes_deltas = self.native  # worker capture: the rows come from collect, never from a delta
         self.capture_id: str | None = None
         self.start = 0
         self._max_rows = 0

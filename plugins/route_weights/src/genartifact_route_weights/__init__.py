@@ -113,6 +113,7 @@ class MoeRouteWeights:
         self._weights: np.ndarray | None = None  # router-major [routers, rows, top_k], stored dtype
         self._scales: tuple[list[float], list[float]] | None = None
         self._fetched = False
+        self.consumes_deltas = False  # the weights come from the worker at collect time (on_delta does nothing)
 
     def admit(self, ctx: AdmissionContext) -> int:
         opts = ctx.model.engine_options
