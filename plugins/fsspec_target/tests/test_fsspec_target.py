@@ -477,3 +477,20 @@ def test_profile_dataclass_defaults_match_the_documented_ones():
     d = {f.name: f.default for f in dataclasses.fields(Profile)}
     assert (d["timeout_s"], d["connect_timeout_s"], d["read_timeout_s"], d["max_attempts"], d["checksum"]) == \
         (60.0, 5.0, 30.0, 3, "when_required")
+
+
+def test_target_reused_only_for_the_same_unchanged_settings(tmp_path, monkeypatch):
+    from genartifact_fsspec_target import ENV_PROFILES, genartifact_storage_target
+
+    monkeypatch.delenv(ENV_PROFILES, raising=False)
+    settings = {"profiles": {"a": {"url": f"file://{tmp_path}", "allowed_prefixes": ["runs/"]}}}
+    t1 = genartifact_storage_target("managed_fsspec", settings)
+    assert genartifact_storage_target("managed_fsspec", settings) is t1  # same object, unchanged: reused
+    settings["profiles"]["a"]["allowed_prefixes"] = ["other/"]  # mutated in place: parsed again
+    t2 = genartifact_storage_target("managed_fsspec", settings)
+    assert t2 is not t1 and list(t2.profiles["a"].allowed_prefixes) == ["other/"]
+    equal_copy = {"profiles": {"a": {"url": f"file://{tmp_path}", "allowed_prefixes": ["other/"]}}}
+    assert genartifact_storage_target("managed_fsspec", equal_copy) is not t2  # another object: parsed
+    monkeypatch.setenv(ENV_PROFILES, '{"b": {"url": "memory://x", "allowed_prefixes": [""]}}')
+    t3 = genartifact_storage_target("managed_fsspec", equal_copy)
+    assert sorted(t3.profiles) == ["a", "b"]  # the environment's profiles count too

@@ -48,6 +48,7 @@ body can reach the wire at most ``2 * max_attempts`` times, and 412 makes any re
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import math
@@ -776,11 +777,28 @@ def open_object(profile: Profile, key: str) -> bytes:
     return data
 
 
+# The last target built, for the same settings: the host asks for a target per request, with the same settings
+# object each time (a run's [targets.managed_fsspec] table); parsing the profiles again cost more driver time
+# than encoding a small artifact. Reused only while that very object still equals the copy taken when it was
+# parsed and GENARTIFACT_STORAGE_PROFILES is unchanged; the target itself holds nothing per request.
+_LAST_TARGET: tuple[Any, Any, str | None, ManagedFsspecTarget] | None = None
+
+
 @hookimpl
 def genartifact_storage_target(kind: str, settings: Mapping[str, Any]) -> ManagedFsspecTarget | None:
+    global _LAST_TARGET
     if kind != KIND:
         return None
-    return ManagedFsspecTarget(parse_profiles(settings))
+    env = os.environ.get(ENV_PROFILES)
+    last = _LAST_TARGET
+    if last is not None and last[0] is settings and last[2] == env and last[1] == settings:
+        return last[3]
+    target = ManagedFsspecTarget(parse_profiles(settings))
+    try:
+        _LAST_TARGET = (settings, copy.deepcopy(settings), env, target)
+    except Exception:  # noqa: BLE001 - settings that cannot be copied are simply parsed every time
+        _LAST_TARGET = None
+    return target
 
 
 @hookimpl
