@@ -649,19 +649,19 @@ async def test_every_delivery_journals_an_outcome(host, tmp_path):
 
 
 @pytest.mark.fault("encoder", "producer retaining over its budget")
-def test_retained_bytes_over_budget_fail_the_capture(host, monkeypatch):
-    """The budget backstop: a producer retaining more than admitted fails the capture (capture_invalid) at the
-    delta that crosses it, one byte over is enough."""
+def test_retained_bytes_over_budget_fail_the_capture(host):
+    """The budget backstop: retained bytes (token ids + every delta-fed producer's) above the session's budget fail
+    the capture (capture_invalid) at the delta that crosses it; exactly at the budget is fine."""
     from genartifact.errors import CaptureError
 
-    s = session(host, spec())
+    engine_lp = ModelInfo("tiny", QWEN, "vllm", "0.32.0", {**MODEL.engine_options, "worker_captures": ["moe_routes"]})
+    s = session(host, spec(), model=engine_lp)  # engine-sourced logprobs: a producer fed by every delta
     s.admit(2, 3)
-    p = s._producers[0]
-    monkeypatch.setattr(p, "retained_bytes", lambda: s.budget - 4 * 3)
-    s.record(Delta([1, 2], [3], lp([3])))  # exactly at the budget (tokens 3 x 4 B + producer)
-    monkeypatch.setattr(p, "retained_bytes", lambda: s.budget - 4 * 4 + 1)
+    assert s._producers[0].consumes_deltas
+    s.budget = 4 * 3 + 4  # after the first delta: tokens 3 x 4 B + one float32 logprob, exactly at the budget
+    s.record(Delta([1, 2], [3], lp([3])))
     with pytest.raises(CaptureError, match="exceed the admitted budget"):
-        s.record(Delta([1, 2], [4], lp([4])))
+        s.record(Delta([1, 2], [4], lp([4])))  # 4 tokens + 2 logprobs: 8 bytes over
 
 
 def test_documented_manifest_base_and_zero_prompt(host):
