@@ -633,3 +633,35 @@ def test_inline_sizing_is_bounded_whatever_the_section():
         assert session_mod._input_nbytes(inp(section)) > limit
     assert session_mod._input_nbytes(inp({"a": list(range(100))})) <= limit
     assert session_mod._input_nbytes(fmt.ArtifactInput([1, 2, 3], 1, ["c"], {"c": {}}, [])) <= limit  # a list
+
+
+@pytest.mark.fault("plugin", "CaptureError message carrying a presigned URL")
+@pytest.mark.parametrize("where", ["on_delta", "collect", "finalize"])
+def test_capture_error_messages_are_redacted_in_the_log(where):
+    """A plugin's ``CaptureError`` message is logged (``artifact_capture_invalid``); a signed URL or a token in it
+    must not reach the log (house rule: secrets never reach logs), as for plugin faults."""
+    from genartifact.errors import CaptureError
+
+    secret = "https://h.example/x?X-Amz-Signature=deadbeef token=abc123"
+
+    class Leaky(Echo):
+        def on_delta(self, delta):
+            if where == "on_delta":
+                raise CaptureError(f"bad row from {secret}")
+            super().on_delta(delta)
+
+        async def collect(self, final):
+            if where == "collect":
+                raise CaptureError(f"bad row from {secret}")
+
+        def finalize(self, final):
+            if where == "finalize":
+                raise CaptureError(f"bad row from {secret}")
+            return super().finalize(final)
+
+    with structlog.testing.capture_logs() as logs:
+        res = run_session(make_host(contents={"echo": _flag_plugin(Leaky)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["error_code"] == "capture_invalid"
+    text = repr(logs)
+    assert "artifact_capture_invalid" in text and "h.example/x" in text
+    assert "deadbeef" not in text and "abc123" not in text

@@ -27,7 +27,7 @@ from genartifact.errors import (
     PluginFault,
     TargetError,
 )
-from genartifact.host import PluginHost
+from genartifact.host import PluginHost, redact
 from genartifact.journal import DeliveryJournal
 from genartifact.limits import max_decoded_bytes
 from genartifact.spec import ArtifactRequest
@@ -274,7 +274,7 @@ class ArtifactSession:
         try:
             self.record(delta)
         except CaptureError as e:
-            log.warning("artifact_capture_invalid", error=str(e), contents=sorted(self.request.contents))
+            log.warning("artifact_capture_invalid", error=redact(str(e)), contents=sorted(self.request.contents))
             self.failed_code = "capture_invalid"
             for p in self._producers:
                 p.release()
@@ -325,12 +325,12 @@ class ArtifactSession:
             self._check_budget()
             inp = self._build_input(final)
         except CaptureError as e:
-            log.warning("artifact_capture_invalid", error=str(e), contents=sorted(self.request.contents))
+            log.warning("artifact_capture_invalid", error=redact(str(e)), contents=sorted(self.request.contents))
             return failed_receipt(self.request, "capture_invalid")
         except PluginFault:  # already logged, naming the plugin
             return failed_receipt(self.request, "internal_error")
         except Exception as e:  # noqa: BLE001 - a plugin bug must not fail generation
-            log.error("artifact_collect_failed", error_type=type(e).__name__, error=str(e))
+            log.error("artifact_collect_failed", error_type=type(e).__name__, error=redact(str(e)))
             return failed_receipt(self.request, "internal_error")
         group_field = None
         if self.group is not None:  # a group sample: wait until the prompt part is settled (holding no slot)
@@ -393,7 +393,7 @@ class ArtifactSession:
                 else:
                     enc = await asyncio.to_thread(fmt.encode, inp, readers=readers)
             except ArtifactFormatError as e:
-                log.warning("artifact_encode_failed", error=str(e))
+                log.warning("artifact_encode_failed", error=redact(str(e)))
                 return failed_receipt(self.request, "encode_failed")
             if enc.decoded_bytes > self.budget:
                 log.error("artifact_over_budget", decoded=enc.decoded_bytes, budget=self.budget)
