@@ -467,3 +467,43 @@ def test_consumes_deltas_attribute_raising_is_a_plugin_fault_at_admission():
 
     with pytest.raises(PluginFault, match="consumes_deltas"):
         run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3])
+
+
+def test_per_step_deltas_attribute_raising_is_a_plugin_fault_at_admission():
+    class Broken(Echo):
+        @property
+        def per_step_deltas(self):
+            raise RuntimeError("no idea")
+
+    class Plugin:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return Broken(name) if name == "echo" else None
+
+    with structlog.testing.capture_logs() as logs, pytest.raises(PluginFault, match="per_step_deltas"):
+        run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3])
+    assert any(e["event"] == "plugin_fault" and e["method"] == "per_step_deltas" and e["plugin"] == "echo" for e in logs)
+
+
+@pytest.mark.fault("plugin", "collect writing into the completion token ids it is given")
+def test_collect_cannot_rewrite_the_stored_token_ids():
+    class Rewriter(Echo):
+        async def collect(self, final):
+            assert isinstance(final.completion_token_ids, tuple)  # the host's copy, read-only
+            try:
+                final.completion_token_ids[0] = 4242
+            except TypeError:
+                pass
+
+    class Plugin:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return Rewriter(name) if name == "echo" else None
+
+        @hookimpl
+        def genartifact_content_reader(self, name):
+            return EchoReader() if name == "echo" else None
+
+    res = run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "ready"
+    assert res.artifact.completion_token_ids.tolist() == [3, 4]

@@ -230,8 +230,12 @@ class GuardedProducer:
 
     @property
     def per_step_deltas(self) -> bool:
-        """True if the content needs one delta per engine step (attribute ``per_step_deltas`` of the producer)."""
-        return bool(getattr(self.inner, "per_step_deltas", False))
+        """True if the content needs one delta per engine step (attribute ``per_step_deltas`` of the producer). A
+        plugin whose attribute raises is at fault (:class:`PluginFault`)."""
+        try:
+            return bool(getattr(self.inner, "per_step_deltas", False))
+        except Exception as e:  # noqa: BLE001 - isolated: attributed to the plugin
+            raise fault(self.info, "per_step_deltas", e) from e
 
     @property
     def consumes_deltas(self) -> bool:

@@ -190,8 +190,11 @@ class ArtifactSession:
                 f"worst-case encoded artifact is {bound} bytes; target max_bytes is {validated.max_bytes}; "
                 f"lower max_tokens or raise the target's max_bytes"
             )
-        # producers fed per delta (the others declared consumes_deltas = False: their data comes from collect)
+        # producers fed per delta (the others declared consumes_deltas = False: their data comes from collect), and
+        # whether any needs one delta per engine step: both read once, here, so a raising attribute is a plugin
+        # fault at admission (the request is refused before the engine sees it)
         self._delta_producers = [p for p in self._producers if p.consumes_deltas]
+        self._per_step = any([p.per_step_deltas for p in self._producers])
         self._validated = validated
         self.prompt_token_count, self.max_tokens = prompt_token_count, max_tokens
         self.budget, self.encoded_bound = decoded, bound
@@ -292,7 +295,8 @@ class ArtifactSession:
     def per_step_deltas(self) -> bool:
         """True if any requested content needs one delta per engine step (its producer's ``per_step_deltas``);
         the job then streams this request instead of asking the engine for the final output only."""
-        return any(getattr(p, "per_step_deltas", False) for p in self._producers)
+        per_step = getattr(self, "_per_step", None)
+        return any([p.per_step_deltas for p in self._producers]) if per_step is None else per_step
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -309,7 +313,8 @@ class ArtifactSession:
         self._require_admitted()
         if self.failed_code is not None:
             return failed_receipt(self.request, self.failed_code)
-        final = FinalContext(self.prompt_token_count, len(self._completion), engine, self._completion)
+        # a copy: the session's own token buffer (what is stored) must not be writable by a plugin's collect
+        final = FinalContext(self.prompt_token_count, len(self._completion), engine, tuple(self._completion))
         try:
             for p in self._producers:
                 await p.collect(final)
