@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import struct
 
 import numpy as np
@@ -512,3 +514,54 @@ def test_encoder_does_not_copy_or_alter_the_callers_tensors():
     fmt.encode(inp)
     assert all(np.array_equal(a, t.array) for a, t in zip(before, inp.tensors, strict=True))
     assert [t.array.flags.writeable for t in inp.tensors] == writeable  # read-only views, not the caller's flags
+
+
+# ------------------------------------------------------------------------------------------ compressor
+@pytest.mark.fault("encoder", "per-thread compressor after a frame abandoned by a validation error")
+def test_compressor_reused_after_an_abandoned_frame_gives_the_same_bytes(monkeypatch):
+    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20)  # the overlapped path: the frame is abandoned
+    inp = large_input()
+    bad_routes = inp.tensors[0].array.copy()
+    bad_routes[5, 100, 3] = 64
+    bad = fmt.ArtifactInput(inp.token_ids, inp.prompt_token_count, inp.contents, inp.sections,
+                            [fmt.TensorPart("moe_routes.expert_ids", bad_routes), inp.tensors[1]], inp.header)
+    for _ in range(2):
+        with pytest.raises(fmt.ArtifactFormatError):
+            fmt.encode(bad)
+        assert fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256  # same thread, same compressor
+
+
+@pytest.mark.fault("encoder", "encode re-entered in the same thread mid-frame")
+def test_an_encode_reentered_mid_frame_does_not_corrupt_the_outer_frame(monkeypatch):
+    """A second ``compressobj`` on the same ``ZstdCompressor`` silently corrupts the first, unfinished frame. An
+    encode re-entered in the same thread (a signal handler, a finalizer) must therefore not get the compressor
+    of the encode it interrupted."""
+    real = fmt._frame_pieces
+    inner: list[str] = []
+
+    def frame_pieces(cctx, pieces, size, emit, stopped=None):
+        def emit_then_reenter(piece):
+            emit(piece)
+            if not inner:  # once, mid-frame (the first output block of a multi-block body)
+                inner.append("")
+                inner[0] = fmt.encode(large_input()).sha256
+
+        return real(cctx, pieces, size, emit_then_reenter, stopped)
+
+    monkeypatch.setattr(fmt, "_frame_pieces", frame_pieces)
+    assert fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256
+    assert inner == [GOLDEN_LARGE_SHA256]
+
+
+def test_a_forked_child_encodes_with_the_inherited_compressor():
+    assert fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256  # this thread's compressor exists
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 3
+        try:
+            signal.alarm(20)
+            code = 0 if fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256 else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -38,3 +38,16 @@ def test_cli_log_level_choices():
     assert ap.parse_args(["plugins"]).log_level == "info"
     with pytest.raises(SystemExit):
         ap.parse_args(["--log-level", "chatty", "plugins"])
+
+
+@pytest.mark.fault("cli", "--log-level: odd case, empty, unknown, repeated")
+def test_cli_log_level_odd_values(capsys):
+    ap = build_parser(["plugins"])
+    assert ap.parse_args(["--log-level", "DEBUG", "plugins"]).log_level == "debug"
+    assert ap.parse_args(["--log-level=Warning", "plugins"]).log_level == "warning"
+    assert ap.parse_args(["--log-level", "error", "--log-level", "info", "plugins"]).log_level == "info"  # last wins
+    for bad in ("", "trace", "10", "critical"):
+        with pytest.raises(SystemExit) as e:
+            ap.parse_args([f"--log-level={bad}", "plugins"])
+        assert e.value.code == 2
+        assert "--log-level" in capsys.readouterr().err

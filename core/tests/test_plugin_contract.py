@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import threading
 import types
 
 import numpy as np
 import pytest
 import structlog
+from genartifact import format as fmt
+from genartifact import session as session_mod
 from genartifact.errors import PluginFault, PluginLoadError
 from genartifact.format import TensorPart
 from genartifact.host import PluginHost, redact
@@ -469,20 +472,199 @@ def test_consumes_deltas_attribute_raising_is_a_plugin_fault_at_admission():
         run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3])
 
 
-def test_per_step_deltas_attribute_raising_is_a_plugin_fault_at_admission():
-    class Broken(Echo):
+# ------------------------------------------------------------------------------------------ hot-path faults
+def _flag_plugin(make):
+    class Plugin:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return make(name) if name == "echo" else None
+
+        @hookimpl
+        def genartifact_content_reader(self, name):
+            return EchoReader() if name == "echo" else None
+
+    return Plugin()
+
+
+def _with(**attrs):
+    return _flag_plugin(lambda name: type("Flagged", (Echo,), attrs)(name))
+
+
+# ------------------------------------------------------------------------------------------ optional flags
+@pytest.mark.fault("plugin", "optional flag of a non-bool value")
+@pytest.mark.parametrize("flag", ["consumes_deltas", "per_step_deltas"])
+@pytest.mark.parametrize("value", ["False", 0, None, [], 1.0], ids=["str", "zero", "none", "list", "float"])
+def test_a_flag_that_is_not_a_bool_is_a_plugin_fault_at_admission(flag, value):
+    """``consumes_deltas = None`` (an unset optional) or ``"False"`` must not be guessed at: a wrong guess silently
+    starves the content of its deltas (data missing from the artifact) or feeds one that declared it takes none."""
+    with pytest.raises(PluginFault, match=f"{flag}.*allowed: True or False"):
+        run_session(make_host(contents={"echo": _with(**{flag: value})}), ["echo"], [1, 2], [3, 4])
+
+
+def test_numpy_bools_are_bools():
+    class CollectOnly(Echo):
+        consumes_deltas = np.False_
+
+        def on_delta(self, delta):
+            raise AssertionError("fed a delta")
+
+        async def collect(self, final):
+            self.vals = list(final.completion_token_ids)
+
+    res = run_session(make_host(contents={"echo": _flag_plugin(CollectOnly)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "ready" and res.artifact.tensors["echo.values"].tolist() == [3, 4]
+    res = run_session(make_host(contents={"echo": _with(per_step_deltas=np.True_)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "ready" and res.session.per_step_deltas is True
+
+
+@pytest.mark.fault("plugin", "per_step_deltas attribute raising")
+def test_per_step_deltas_is_read_once_at_admission_as_a_guarded_plugin_call():
+    """The engine reads ``session.per_step_deltas`` when it starts the request; a producer's property raising
+    there escaped unguarded (a bare RuntimeError, outside the block that releases the session). It is now read
+    at admission, as a plugin fault, and never again."""
+
+    class Raises(Echo):
         @property
         def per_step_deltas(self):
             raise RuntimeError("no idea")
 
-    class Plugin:
-        @hookimpl
-        def genartifact_content_producer(self, name, model):
-            return Broken(name) if name == "echo" else None
+    with pytest.raises(PluginFault, match="per_step_deltas"):
+        run_session(make_host(contents={"echo": _flag_plugin(Raises)}), ["echo"], [1, 2], [3])
 
-    with structlog.testing.capture_logs() as logs, pytest.raises(PluginFault, match="per_step_deltas"):
-        run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3])
-    assert any(e["event"] == "plugin_fault" and e["method"] == "per_step_deltas" and e["plugin"] == "echo" for e in logs)
+    reads = []
+
+    class Counted(Echo):
+        @property
+        def per_step_deltas(self):
+            reads.append(1)
+            return len(reads) == 1  # True when admitted, False if asked again
+
+    res = run_session(make_host(contents={"echo": _flag_plugin(Counted)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "ready" and res.session.per_step_deltas is True and len(reads) == 1
+
+
+def test_consumes_deltas_set_in_admit_is_honoured():
+    """The flag is read after every ``admit`` returned (docs/plugins.md: set it in ``__init__`` or in ``admit``)."""
+
+    class LateFlag(Echo):
+        def admit(self, ctx):
+            self.consumes_deltas = False
+            return super().admit(ctx)
+
+        def on_delta(self, delta):
+            raise AssertionError("fed a delta")
+
+        async def collect(self, final):
+            self.vals = list(final.completion_token_ids)
+
+    res = run_session(make_host(contents={"echo": _flag_plugin(LateFlag)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "ready"
+
+
+# ------------------------------------------------------------------------------------------ inline encode
+def _encode_threads(monkeypatch):
+    """Patch the encoder to record, per call, whether it ran on the event loop's thread (the main thread here)."""
+    ran, real = [], fmt.encode
+
+    def encode(*a, **kw):
+        ran.append("loop" if threading.current_thread() is threading.main_thread() else "thread")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fmt, "encode", encode)
+    return ran
+
+
+def test_small_artifacts_are_still_encoded_on_the_loop(monkeypatch):
+    ran = _encode_threads(monkeypatch)
+    res = run_session(make_host(contents={"echo": _with()}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "ready" and ran == ["loop"]
+
+
+@pytest.mark.fault("session", "inline encode: tiny tensors, large manifest section")
+def test_a_large_section_with_tiny_tensors_is_encoded_off_the_loop(monkeypatch):
+    """The inline decision counted token ids and tensors only: a content's manifest section (JSON, up to its
+    admitted bytes) was serialized on the event loop — about 10 ms for a 1 MiB manifest, over 100 ms for a
+    30 MB section refused only after serializing it — blocking every other request's streaming meanwhile."""
+
+    class BigSection(Echo):
+        def admit(self, ctx):
+            return 4_000_000
+
+        def finalize(self, final):
+            return {"blob": ["x" * 100] * 3000}, [TensorPart(f"{self.name}.values", np.asarray(self.vals, "<u4"))]
+
+    ran = _encode_threads(monkeypatch)
+    res = run_session(make_host(contents={"echo": _flag_plugin(BigSection)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "ready" and ran == ["thread"]
+
+
+@pytest.mark.fault("session", "inline encode: tensor of an ndarray subclass reporting a small nbytes")
+def test_an_array_subclass_is_never_sized_by_its_own_nbytes(monkeypatch):
+    class Liar(np.ndarray):
+        @property
+        def nbytes(self):
+            return 0
+
+    class Lying(Echo):
+        def finalize(self, final):
+            return {}, [TensorPart(f"{self.name}.values", np.asarray(self.vals, "<u4").view(Liar))]
+
+    ran = _encode_threads(monkeypatch)
+    run_session(make_host(contents={"echo": _flag_plugin(Lying)}), ["echo"], [1, 2], [3, 4])
+    assert ran == ["thread"]
+
+
+@pytest.mark.fault("session", "inline-encode sizing of huge, deep or self-referencing sections")
+def test_inline_sizing_is_bounded_whatever_the_section():
+    limit = session_mod.INLINE_ENCODE_BYTES
+
+    def inp(section):
+        return fmt.ArtifactInput(np.zeros(3, "<u4"), 1, ["c"], {"c": section}, [])
+
+    deep: list = []
+    cur = deep
+    for _ in range(100_000):  # deeper than the recursion limit
+        cur.append([])
+        cur = cur[0]
+    loop: list = [1]
+    loop.append(loop)
+    many = list(range(10_000_000))
+    for section in ({"a": many}, {"a": deep}, {"a": loop}, {"k" * (limit + 1): 1}, {"a": {i: i for i in range(10**6)}}):
+        assert session_mod._input_nbytes(inp(section)) > limit
+    assert session_mod._input_nbytes(inp({"a": list(range(100))})) <= limit
+    assert session_mod._input_nbytes(fmt.ArtifactInput([1, 2, 3], 1, ["c"], {"c": {}}, [])) <= limit  # a list
+
+
+@pytest.mark.fault("plugin", "CaptureError message carrying a presigned URL")
+@pytest.mark.parametrize("where", ["on_delta", "collect", "finalize"])
+def test_capture_error_messages_are_redacted_in_the_log(where):
+    """A plugin's ``CaptureError`` message is logged (``artifact_capture_invalid``); a signed URL or a token in it
+    must not reach the log (house rule: secrets never reach logs), as for plugin faults."""
+    from genartifact.errors import CaptureError
+
+    secret = "https://h.example/x?X-Amz-Signature=deadbeef token=abc123"
+
+    class Leaky(Echo):
+        def on_delta(self, delta):
+            if where == "on_delta":
+                raise CaptureError(f"bad row from {secret}")
+            super().on_delta(delta)
+
+        async def collect(self, final):
+            if where == "collect":
+                raise CaptureError(f"bad row from {secret}")
+
+        def finalize(self, final):
+            if where == "finalize":
+                raise CaptureError(f"bad row from {secret}")
+            return super().finalize(final)
+
+    with structlog.testing.capture_logs() as logs:
+        res = run_session(make_host(contents={"echo": _flag_plugin(Leaky)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["error_code"] == "capture_invalid"
+    text = repr(logs)
+    assert "artifact_capture_invalid" in text and "h.example/x" in text
+    assert "deadbeef" not in text and "abc123" not in text
 
 
 @pytest.mark.fault("plugin", "collect writing into the completion token ids it is given")
@@ -495,15 +677,6 @@ def test_collect_cannot_rewrite_the_stored_token_ids():
             except TypeError:
                 pass
 
-    class Plugin:
-        @hookimpl
-        def genartifact_content_producer(self, name, model):
-            return Rewriter(name) if name == "echo" else None
-
-        @hookimpl
-        def genartifact_content_reader(self, name):
-            return EchoReader() if name == "echo" else None
-
-    res = run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3, 4])
+    res = run_session(make_host(contents={"echo": _flag_plugin(Rewriter)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "ready"
     assert res.artifact.completion_token_ids.tolist() == [3, 4]

@@ -623,8 +623,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``argv`` (the command line) selects which plugin command, if any, is loaded."""
     ap = argparse.ArgumentParser(prog="genartifact", description=__doc__)
     ap.add_argument("--log-json", action="store_true", help="JSON log lines instead of console output")
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                    help="least severe log lines shown (debug adds one artifact_ready line per stored artifact)")
+    ap.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
+                    help="least severe genartifact log lines shown, any case (debug adds one artifact_ready line "
+                         "per stored artifact); given after an engine command it is vLLM's own --log-level")
     ap.add_argument("--traceback", action="store_true", help="print the full traceback of any error")
     ap.add_argument("--config", dest="global_config", metavar="CONFIG",
                     help="TOML config for any subcommand (same as the subcommand's --config)")

@@ -270,17 +270,26 @@ _COMPRESSORS = threading.local()
 
 
 def _compressor(level: int) -> Any:
-    """This thread's ``ZstdCompressor`` for ``level`` (content size written, no zstd checksum), made once per thread
-    and level: building one costs about as much as compressing a small artifact, and a compressor serves one
-    compression at a time (python-zstandard's objects are not for concurrent use), which a per-thread one
-    guarantees. Reusing it does not change the frame: every ``compressobj`` starts a fresh frame."""
+    """Take this thread's ``ZstdCompressor`` for ``level`` (content size written, no zstd checksum) out of its
+    per-thread cache, making one when none is there; give it back with :func:`_return_compressor` once its frame
+    is done. Building one costs about as much as compressing a small artifact. A compressor serves one frame at a
+    time: python-zstandard's objects are not for concurrent use, and a second ``compressobj`` on the same
+    compressor silently corrupts the first, unfinished frame. Per thread, and taken out while in use, a
+    compressor is never shared: not across threads, nor by an encode re-entered in the same thread (a signal
+    handler or finalizer that encodes gets a fresh one). Reuse does not change the frame: every ``compressobj``
+    starts a fresh frame, also after one was abandoned mid-way (validation failure) or failed."""
     cache = getattr(_COMPRESSORS, "by_level", None)
     if cache is None:
         cache = _COMPRESSORS.by_level = {}
-    c = cache.get(level)
+    c = cache.pop(level, None)
     if c is None:
-        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        c = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
     return c
+
+
+def _return_compressor(level: int, c: Any) -> None:
+    """Put ``c`` (from :func:`_compressor`) back as this thread's compressor for ``level``."""
+    _COMPRESSORS.by_level[level] = c
 
 
 def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: Any) -> tuple[bytes, str]:
@@ -295,6 +304,14 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
     the same whatever runs where. ``validate`` raising stops the compression at its next piece and re-raises:
     nothing is returned, and no thread is left using the inputs."""
     cctx = _compressor(level)
+    try:
+        return _compress_and_hash_with(cctx, pieces, size, validate)
+    finally:
+        _return_compressor(level, cctx)
+
+
+def _compress_and_hash_with(cctx: Any, pieces: Sequence[Any], size: int, validate: Any) -> tuple[bytes, str]:
+    """:func:`_compress_and_hash` with the compressor ``cctx`` (in this thread's sole use until it returns)."""
     prelude = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD)
     parts = [prelude]
     h = hashlib.sha256(prelude)

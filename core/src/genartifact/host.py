@@ -230,22 +230,30 @@ class GuardedProducer:
 
     @property
     def per_step_deltas(self) -> bool:
-        """True if the content needs one delta per engine step (attribute ``per_step_deltas`` of the producer). A
-        plugin whose attribute raises is at fault (:class:`PluginFault`)."""
-        try:
-            return bool(getattr(self.inner, "per_step_deltas", False))
-        except Exception as e:  # noqa: BLE001 - isolated: attributed to the plugin
-            raise fault(self.info, "per_step_deltas", e) from e
+        """True if the content needs one delta per engine step (optional attribute ``per_step_deltas`` of the
+        producer, default False). :raises PluginFault: the attribute raises or is not a bool (see :meth:`_flag`)."""
+        return self._flag("per_step_deltas", False)
 
     @property
     def consumes_deltas(self) -> bool:
         """False if the producer declares ``consumes_deltas = False`` (it takes nothing from deltas; its data comes
-        from ``collect``): the session then skips its ``on_delta`` and per-delta ``retained_bytes``. A plugin
-        whose attribute raises is at fault (:class:`PluginFault`)."""
+        from ``collect``): the session then skips its ``on_delta`` and per-delta ``retained_bytes``. Default True.
+        :raises PluginFault: the attribute raises or is not a bool (see :meth:`_flag`)."""
+        return self._flag("consumes_deltas", True)
+
+    def _flag(self, attr: str, default: bool) -> bool:
+        """The producer's optional boolean attribute ``attr`` (``default`` when absent). Only ``True``/``False``
+        (or a numpy bool scalar) count: anything else (``None``, ``0``, the string ``"False"``...) is a plugin
+        fault rather than a guess, since a wrong guess silently drops or floods the content's deltas."""
         try:
-            return bool(getattr(self.inner, "consumes_deltas", True))
+            v = getattr(self.inner, attr, default)
         except Exception as e:  # noqa: BLE001 - isolated: attributed to the plugin
-            raise fault(self.info, "consumes_deltas", e) from e
+            raise fault(self.info, attr, e) from e
+        if v is True or v is False:
+            return v
+        if type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"):  # numpy.bool_ (numpy 1 and 2)
+            return bool(v)
+        raise fault(self.info, attr, problem=f"is {v!r:.80}; allowed: True or False")
 
     def admit(self, ctx: Any) -> int:
         n = call_plugin(self.info, "admit", self.inner.admit, ctx, expected=(AdmissionError,))

@@ -27,7 +27,7 @@ from genartifact.errors import (
     PluginFault,
     TargetError,
 )
-from genartifact.host import PluginHost
+from genartifact.host import PluginHost, redact
 from genartifact.journal import DeliveryJournal
 from genartifact.limits import max_decoded_bytes
 from genartifact.spec import ArtifactRequest
@@ -114,6 +114,9 @@ class ArtifactSession:
         self._finished = False
         self.peak_retained = 0
         self.failed_code: str | None = None
+        # the producers' optional flags, read once at admission (per_step_deltas, consumes_deltas)
+        self._delta_producers: list[Any] = []
+        self._per_step: bool | None = None
         # GRPO groups (generate "n" > 1): the group's collector and this sample's index; see groups.GroupCollector
         self.group: Any = None
         self.group_index: int | None = None
@@ -190,11 +193,11 @@ class ArtifactSession:
                 f"worst-case encoded artifact is {bound} bytes; target max_bytes is {validated.max_bytes}; "
                 f"lower max_tokens or raise the target's max_bytes"
             )
-        # producers fed per delta (the others declared consumes_deltas = False: their data comes from collect), and
-        # whether any needs one delta per engine step: both read once, here, so a raising attribute is a plugin
-        # fault at admission (the request is refused before the engine sees it)
+        # the producers' optional flags, read once, after every admit returned (a producer may set them there; a
+        # faulty one is a plugin fault at admission): producers fed per delta (the others declared
+        # consumes_deltas = False: their data comes from collect), and whether any needs per-step deltas
         self._delta_producers = [p for p in self._producers if p.consumes_deltas]
-        self._per_step = any([p.per_step_deltas for p in self._producers])
+        self._per_step = any([p.per_step_deltas for p in self._producers])  # every flag checked
         self._validated = validated
         self.prompt_token_count, self.max_tokens = prompt_token_count, max_tokens
         self.budget, self.encoded_bound = decoded, bound
@@ -271,7 +274,7 @@ class ArtifactSession:
         try:
             self.record(delta)
         except CaptureError as e:
-            log.warning("artifact_capture_invalid", error=str(e), contents=sorted(self.request.contents))
+            log.warning("artifact_capture_invalid", error=redact(str(e)), contents=sorted(self.request.contents))
             self.failed_code = "capture_invalid"
             for p in self._producers:
                 p.release()
@@ -293,10 +296,12 @@ class ArtifactSession:
 
     @property
     def per_step_deltas(self) -> bool:
-        """True if any requested content needs one delta per engine step (its producer's ``per_step_deltas``);
-        the job then streams this request instead of asking the engine for the final output only."""
-        per_step = getattr(self, "_per_step", None)
-        return any([p.per_step_deltas for p in self._producers]) if per_step is None else per_step
+        """True if any requested content needs one delta per engine step (its producer's ``per_step_deltas``, read
+        once at admission); the job then streams this request instead of asking the engine for the final output
+        only. :raises PluginFault: before admission only, a producer's flag raises or is not a bool."""
+        if self._per_step is None:  # not admitted yet
+            return any([p.per_step_deltas for p in self._producers])
+        return self._per_step
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -321,12 +326,12 @@ class ArtifactSession:
             self._check_budget()
             inp = self._build_input(final)
         except CaptureError as e:
-            log.warning("artifact_capture_invalid", error=str(e), contents=sorted(self.request.contents))
+            log.warning("artifact_capture_invalid", error=redact(str(e)), contents=sorted(self.request.contents))
             return failed_receipt(self.request, "capture_invalid")
         except PluginFault:  # already logged, naming the plugin
             return failed_receipt(self.request, "internal_error")
         except Exception as e:  # noqa: BLE001 - a plugin bug must not fail generation
-            log.error("artifact_collect_failed", error_type=type(e).__name__, error=str(e))
+            log.error("artifact_collect_failed", error_type=type(e).__name__, error=redact(str(e)))
             return failed_receipt(self.request, "internal_error")
         group_field = None
         if self.group is not None:  # a group sample: wait until the prompt part is settled (holding no slot)
@@ -389,7 +394,7 @@ class ArtifactSession:
                 else:
                     enc = await asyncio.to_thread(fmt.encode, inp, readers=readers)
             except ArtifactFormatError as e:
-                log.warning("artifact_encode_failed", error=str(e))
+                log.warning("artifact_encode_failed", error=redact(str(e)))
                 return failed_receipt(self.request, "encode_failed")
             if enc.decoded_bytes > self.budget:
                 log.error("artifact_over_budget", decoded=enc.decoded_bytes, budget=self.budget)
@@ -510,8 +515,53 @@ class ArtifactSession:
 INLINE_ENCODE_BYTES = 64 * 1024
 
 
-def _input_nbytes(inp: fmt.ArtifactInput) -> int:
-    return int(getattr(inp.token_ids, "nbytes", 0)) + sum(int(t.array.nbytes) for t in inp.tensors)
+def _input_nbytes(inp: fmt.ArtifactInput, limit: int = INLINE_ENCODE_BYTES) -> int:
+    """Roughly the bytes ``inp`` encodes (token ids + tensors + the manifest's sections and header), or any number
+    above ``limit`` as soon as it is known to exceed it: the inline-encode decision. Counting stops there, so the
+    cost is bounded whatever the input (a 60 MB section is not walked, let alone serialized, on the event loop).
+    Anything whose size is not plain (a non-array token list or tensor) counts as over the limit: the thread
+    encodes it."""
+    import numpy as np
+
+    tok = inp.token_ids
+    n = tok.nbytes if type(tok) is np.ndarray else (4 * len(tok) if type(tok) in (list, tuple) else limit + 1)
+    for t in inp.tensors:
+        a = getattr(t, "array", None)
+        if type(a) is not np.ndarray:  # exact ndarray: a subclass may report any nbytes
+            return limit + 1
+        n += a.nbytes
+        if n > limit:
+            return n
+    return _json_size_upto(inp.sections, _json_size_upto(inp.header, n, limit), limit)
+
+
+def _json_size_upto(obj: Any, n: int, limit: int) -> int:
+    """``n`` plus about the canonical-JSON bytes of ``obj`` (characters of strings and keys, a fixed 24 per number
+    or other scalar, a few per container item: a measure of the serializing work, not the exact size), stopping
+    as soon as it is above ``limit`` (at most about ``limit / 2`` values visited). Never recurses (a stack walks
+    deep nesting), and a self-referencing container still ends (every value visited adds at least 2)."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            n += len(o) + 2
+        elif isinstance(o, Mapping):
+            n += 2 + 4 * len(o)
+            if n > limit:
+                return n
+            for k, v in o.items():
+                n += len(k) if isinstance(k, str) else 24
+                stack.append(v)
+        elif isinstance(o, (list, tuple)):
+            n += 2 + len(o)
+            if n > limit:
+                return n
+            stack.extend(o)
+        else:  # numbers, bools, None (or values the encoder will refuse)
+            n += 24
+        if n > limit:
+            return n
+    return n
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

@@ -98,7 +98,8 @@ class ContentProducer(Protocol):
     Required: every method below except ``discard``. Optional attributes: ``per_step_deltas = True`` when the
     content needs one delta per engine step (e.g. per-token timestamps); ``consumes_deltas = False`` (read at
     admission) when it takes nothing from deltas (its data comes from ``collect``): the host then skips its
-    ``on_delta`` and per-delta ``retained_bytes`` calls; ``discard``. Exceptions: ``admit``
+    ``on_delta`` and per-delta ``retained_bytes`` calls (both flags read once, after ``admit``; each must be a
+    bool, else a plugin fault); ``discard``. Exceptions: ``admit``
     and ``sampling_overrides`` may raise ``AdmissionError`` (request rejected before inference); ``on_delta``,
     ``collect`` and ``finalize`` may raise ``CaptureError`` (receipt ``capture_invalid``). Anything else, or a
     wrong return value, is a plugin fault: that request's receipt is ``failed`` / ``internal_error`` and the

@@ -112,14 +112,18 @@ def test_local_write_failure_leaves_nothing(tmp_path):
 
 def test_local_write_syncs_the_file_then_the_directory_after_publishing(tmp_path, monkeypatch):
     """The receipt must not outrun the disk: the object's bytes are fsynced before the link, and the directory
-    (holding the new name) after it, so a power loss right after ``ready`` cannot lose the key."""
+    (holding the new name) after it, so a power loss right after ``ready`` cannot lose the key. Directories made
+    for the key have their own names synced too (each new directory's parent); existing ones are not synced."""
     import stat
 
     events = []
     real_fsync, real_link = os.fsync, os.link
 
     def fsync(fd):
-        events.append("fsync_dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync_file")
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("fsync_dir", os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path)))
+        else:
+            events.append("fsync_file")
         return real_fsync(fd)
 
     def link(src, dst):
@@ -128,11 +132,40 @@ def test_local_write_syncs_the_file_then_the_directory_after_publishing(tmp_path
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "link", link)
-    t = target(tmp_path)
+    t = target(tmp_path / "root")
     v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
     asyncio.run(t.deliver(v, b"bytes", "x"))
-    assert events == ["fsync_file", "link", "fsync_dir"]
-    assert os.listdir(tmp_path / "runs/a") == ["b.gart"]
+    # runs/a holds the key; runs/a, runs and the profile root itself were made: their names are in their parents
+    assert events == ["fsync_file", "link", ("fsync_dir", "root/runs/a"), ("fsync_dir", "root/runs"),
+                      ("fsync_dir", "root"), ("fsync_dir", ".")]
+    assert os.listdir(tmp_path / "root/runs/a") == ["b.gart"]
+    events.clear()
+    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/c.gart"})
+    asyncio.run(t.deliver(v, b"bytes", "x"))
+    assert events == ["fsync_file", "link", ("fsync_dir", "root/runs/a")]  # nothing new above the key
+
+
+@pytest.mark.fault("managed", "new parent directory's sync failing after the publish (file://)")
+def test_local_new_directory_sync_failure_leaves_no_key(tmp_path, monkeypatch):
+    """The key's own directory syncs, but a directory made for it cannot be made durable (EIO syncing its
+    parent): no receipt, so no key either."""
+    import errno
+    import stat
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode) and os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "runs"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    t = target(tmp_path)
+    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
+    with pytest.raises(DeliveryError) as e:
+        asyncio.run(t.deliver(v, b"bytes", "x"))
+    assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
+    assert os.listdir(tmp_path / "runs/a") == []
 
 
 @pytest.mark.fault("managed", "directory fsync failing after the publish (file://)")
@@ -494,3 +527,89 @@ def test_target_reused_only_for_the_same_unchanged_settings(tmp_path, monkeypatc
     monkeypatch.setenv(ENV_PROFILES, '{"b": {"url": "memory://x", "allowed_prefixes": [""]}}')
     t3 = genartifact_storage_target("managed_fsspec", equal_copy)
     assert sorted(t3.profiles) == ["a", "b"]  # the environment's profiles count too
+
+
+@pytest.mark.fault("managed", "target cache: settings changed in place to an equal value of another type")
+def test_target_cache_compares_types_not_just_equality(monkeypatch):
+    """``1 == True == 1.0``: a setting changed in place from 1 to True (or 1.0) is invalid and must be refused,
+    not served from the target parsed before the change."""
+    from genartifact_fsspec_target import ENV_PROFILES, genartifact_storage_target
+
+    monkeypatch.delenv(ENV_PROFILES, raising=False)
+    settings = {"profiles": {"a": {"url": "memory://x", "allowed_prefixes": ["runs/"], "max_attempts": 1}}}
+    t1 = genartifact_storage_target("managed_fsspec", settings)
+    assert genartifact_storage_target("managed_fsspec", settings) is t1
+    for bad in (True, 1.0):
+        settings["profiles"]["a"]["max_attempts"] = bad
+        with pytest.raises(ConfigError, match="max_attempts"):
+            genartifact_storage_target("managed_fsspec", settings)
+
+
+@pytest.mark.fault("managed", "target cache: working directory changed (relative profile url)")
+def test_target_cache_follows_the_working_directory(tmp_path, monkeypatch):
+    from genartifact_fsspec_target import ENV_PROFILES, genartifact_storage_target
+
+    monkeypatch.delenv(ENV_PROFILES, raising=False)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    settings = {"profiles": {"a": {"url": "store", "allowed_prefixes": ["runs/"]}}}
+    monkeypatch.chdir(tmp_path / "one")
+    t1 = genartifact_storage_target("managed_fsspec", settings)
+    monkeypatch.chdir(tmp_path / "two")
+    t2 = genartifact_storage_target("managed_fsspec", settings)
+    assert t1.profiles["a"].url == f"file://{tmp_path / 'one' / 'store'}"
+    assert t2.profiles["a"].url == f"file://{tmp_path / 'two' / 'store'}"  # as an uncached parse resolves it
+
+
+@pytest.mark.fault("managed", "target cache: settings whose comparison raises or is ambiguous")
+def test_target_cache_survives_settings_that_cannot_be_compared(monkeypatch):
+    """Comparing the cached copy must never turn a good configuration into a failing one: an ``__eq__`` that
+    raises, or a numpy array (ambiguous truth value) among the settings, just means parsing again."""
+    import numpy as np
+    from genartifact_fsspec_target import ENV_PROFILES, genartifact_storage_target
+
+    monkeypatch.delenv(ENV_PROFILES, raising=False)
+
+    class Touchy(dict):
+        def __eq__(self, other):
+            raise RuntimeError("no comparing")
+
+        __hash__ = None
+
+    for settings in (Touchy({"profiles": {"a": {"url": "memory://x", "allowed_prefixes": ["runs/"]}}}),
+                     {"profiles": {"a": {"url": "memory://x", "allowed_prefixes": ["runs/"],
+                                         "storage_options": {"v": np.arange(3)}}}}):
+        for _ in range(3):
+            assert sorted(genartifact_storage_target("managed_fsspec", settings).profiles) == ["a"]
+
+
+@pytest.mark.fault("managed", "target cache: settings or environment changed while being parsed")
+def test_target_cache_pairs_the_target_with_what_was_parsed(monkeypatch):
+    """Another thread changing the settings object (or GENARTIFACT_STORAGE_PROFILES) while the profiles are being
+    parsed must not leave a cached target that stands for other settings than the ones it was built from."""
+    import genartifact_fsspec_target as m
+
+    monkeypatch.delenv(m.ENV_PROFILES, raising=False)
+    settings = {"profiles": {"a": {"url": "memory://x", "allowed_prefixes": ["runs/"]}}}
+    real_parse = m.parse_profiles
+    during = []
+
+    def parse(*a, **kw):
+        for f in during:
+            f()
+        return real_parse(*a, **kw)
+
+    monkeypatch.setattr(m, "parse_profiles", parse)
+    during[:] = [lambda: settings["profiles"]["a"].__setitem__("allowed_prefixes", ["other/"])]
+    t1 = m.genartifact_storage_target("managed_fsspec", settings)  # settings now say other/
+    during.clear()
+    t2 = m.genartifact_storage_target("managed_fsspec", settings)
+    assert t2.profiles["a"].allowed_prefixes == ("other/",), (t1.profiles["a"].allowed_prefixes, t2.profiles)
+    # the environment flips to another value during the parse and back: the target must be the unflipped one's
+    extra = '{"b": {"url": "memory://y", "allowed_prefixes": [""]}}'
+    during[:] = [lambda: os.environ.__setitem__(m.ENV_PROFILES, extra)]
+    settings2 = {"profiles": {"a": {"url": "memory://x", "allowed_prefixes": ["runs/"]}}}
+    m.genartifact_storage_target("managed_fsspec", settings2)
+    during.clear()
+    monkeypatch.delenv(m.ENV_PROFILES)
+    assert sorted(m.genartifact_storage_target("managed_fsspec", settings2).profiles) == ["a"]

@@ -145,8 +145,15 @@ def _under(key: str, prefix: str) -> bool:
     return prefix == "" or key.startswith(prefix.rstrip("/") + "/")
 
 
-def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None) -> dict[str, Profile]:
-    """Validate ``settings["profiles"]``. Raises :class:`ConfigError` naming profile and key."""
+_FROM_ENVIRON: Any = object()
+
+
+def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None, *,
+                   env_profiles: str | None = _FROM_ENVIRON) -> dict[str, Profile]:
+    """Validate ``settings["profiles"]`` plus the JSON profiles of ``env_profiles`` (default: the value of
+    ``GENARTIFACT_STORAGE_PROFILES`` now; None or empty: none). Relative urls resolve against
+    ``settings["base_dir"]``, else ``base_dir``, else the working directory. Raises :class:`ConfigError`
+    naming profile and key."""
     unknown = set(settings) - {"profiles", "base_dir"}
     if unknown:
         raise ConfigError(f"[targets.managed_fsspec]: unknown key(s) {sorted(unknown)}; allowed: ['profiles']")
@@ -154,7 +161,7 @@ def parse_profiles(settings: Mapping[str, Any], base_dir: Path | None = None) ->
     raw = settings.get("profiles", {})
     if not isinstance(raw, Mapping):
         raise ConfigError("[targets.managed_fsspec.profiles] must be a table")
-    env = os.environ.get(ENV_PROFILES)
+    env = os.environ.get(ENV_PROFILES) if env_profiles is _FROM_ENVIRON else env_profiles
     if env:
         if len(env) > 1 << 20:
             raise ConfigError(f"{ENV_PROFILES} is larger than 1 MiB")
@@ -345,8 +352,15 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
     """Temp file in the destination directory, fsync, ``os.link`` to the key (atomic; EEXIST if taken), unlink
     the temp, fsync the directory (so the key's directory entry is on disk before the receipt says ``ready``:
     a file's fsync does not make a *later* link durable). Any OSError (ENOSPC, EDQUOT, EACCES, EIO...) leaves
-    neither the key nor the temp file behind."""
+    neither the key nor the temp file behind. Directories the key needed that did not exist yet (``a/b/`` of a
+    key ``a/b/c``) are made, and each one's own entry synced too (its parent directory fsynced): a key under a
+    new directory is durable only once that directory's name is."""
     try:
+        new_dirs = []  # deepest first: the key's directories that are missing now (made below)
+        d = dest.parent
+        while not d.is_dir() and d.parent != d:
+            new_dirs.append(d)
+            d = d.parent
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=dest.parent)
     except OSError as e:
@@ -363,6 +377,8 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
         published = True
         _unlink_quiet(tmp)
         _fsync_dir(dest.parent)
+        for d in new_dirs:  # a new directory's name is an entry of its parent
+            _fsync_dir(d.parent)
     except FileExistsError:
         raise DeliveryError("managed artifact object already exists", "object_exists") from None
     except OSError as e:
@@ -779,9 +795,26 @@ def open_object(profile: Profile, key: str) -> bytes:
 
 # The last target built, for the same settings: the host asks for a target per request, with the same settings
 # object each time (a run's [targets.managed_fsspec] table); parsing the profiles again cost more driver time
-# than encoding a small artifact. Reused only while that very object still equals the copy taken when it was
-# parsed and GENARTIFACT_STORAGE_PROFILES is unchanged; the target itself holds nothing per request.
-_LAST_TARGET: tuple[Any, Any, str | None, ManagedFsspecTarget] | None = None
+# than encoding a small artifact. Reused only while every input of that parse is unchanged: that very settings
+# object, still equal (same types too: 1 is not True, nor 1.0) to the snapshot that was parsed,
+# GENARTIFACT_STORAGE_PROFILES and the working directory (relative profile urls resolve against it). The
+# snapshot is taken before parsing and is what gets parsed, so a settings object changed meanwhile (another
+# thread) cannot pair a new copy with a target of old settings. The target itself holds nothing per request.
+_LAST_TARGET: tuple[Any, Any, str | None, str, ManagedFsspecTarget] | None = None
+
+
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
+    """``a`` equals ``b`` with the same types throughout (dicts in the same order, lists element-wise). Any doubt
+    (a comparison raising, an array's ambiguous truth value, more than 64 levels) is False: parse again."""
+    if type(a) is not type(b) or depth > 64:
+        return False
+    if isinstance(a, Mapping):
+        return len(a) == len(b) and all(_same(ka, kb, depth + 1) and _same(va, vb, depth + 1)
+                                        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b, strict=True))
+    eq = a == b
+    return eq if isinstance(eq, bool) else False
 
 
 @hookimpl
@@ -790,14 +823,25 @@ def genartifact_storage_target(kind: str, settings: Mapping[str, Any]) -> Manage
     if kind != KIND:
         return None
     env = os.environ.get(ENV_PROFILES)
-    last = _LAST_TARGET
-    if last is not None and last[0] is settings and last[2] == env and last[1] == settings:
-        return last[3]
-    target = ManagedFsspecTarget(parse_profiles(settings))
     try:
-        _LAST_TARGET = (settings, copy.deepcopy(settings), env, target)
+        cwd = os.getcwd()
+    except OSError:  # the working directory was removed: parse as before (it matters only for relative urls)
+        _LAST_TARGET = None
+        return ManagedFsspecTarget(parse_profiles(settings, env_profiles=env))
+    last = _LAST_TARGET
+    if last is not None and last[0] is settings and last[2] == env and last[3] == cwd:
+        try:
+            if _same(last[1], settings):
+                return last[4]
+        except Exception:  # noqa: BLE001 - a settings object changing while compared (another thread): parse
+            pass
+    try:
+        snapshot = copy.deepcopy(settings)
     except Exception:  # noqa: BLE001 - settings that cannot be copied are simply parsed every time
         _LAST_TARGET = None
+        return ManagedFsspecTarget(parse_profiles(settings, Path(cwd), env_profiles=env))
+    target = ManagedFsspecTarget(parse_profiles(snapshot, Path(cwd), env_profiles=env))
+    _LAST_TARGET = (settings, snapshot, env, cwd, target)
     return target
 
 
