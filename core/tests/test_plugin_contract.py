@@ -665,3 +665,18 @@ def test_capture_error_messages_are_redacted_in_the_log(where):
     text = repr(logs)
     assert "artifact_capture_invalid" in text and "h.example/x" in text
     assert "deadbeef" not in text and "abc123" not in text
+
+
+@pytest.mark.fault("plugin", "collect writing into the completion token ids it is given")
+def test_collect_cannot_rewrite_the_stored_token_ids():
+    class Rewriter(Echo):
+        async def collect(self, final):
+            assert isinstance(final.completion_token_ids, tuple)  # the host's copy, read-only
+            try:
+                final.completion_token_ids[0] = 4242
+            except TypeError:
+                pass
+
+    res = run_session(make_host(contents={"echo": _flag_plugin(Rewriter)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "ready"
+    assert res.artifact.completion_token_ids.tolist() == [3, 4]

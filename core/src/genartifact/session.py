@@ -318,7 +318,8 @@ class ArtifactSession:
         self._require_admitted()
         if self.failed_code is not None:
             return failed_receipt(self.request, self.failed_code)
-        final = FinalContext(self.prompt_token_count, len(self._completion), engine, self._completion)
+        # a copy: the session's own token buffer (what is stored) must not be writable by a plugin's collect
+        final = FinalContext(self.prompt_token_count, len(self._completion), engine, tuple(self._completion))
         try:
             for p in self._producers:
                 await p.collect(final)

@@ -80,7 +80,8 @@ class EngineHandle(Protocol):
 class FinalContext:
     """Token facts at finalize: ``prompt_token_count``, ``completion_token_count`` (tokens), the engine handle
     (None when finalizing without an engine, e.g. in unit tests) and the completion token ids (the alignment
-    authority for engine-side captures)."""
+    authority for engine-side captures; a tuple, the host's copy: what a plugin does to it changes nothing
+    stored)."""
 
     prompt_token_count: int
     completion_token_count: int
@@ -106,7 +107,6 @@ class ContentProducer(Protocol):
     """
 
     name: str
-    per_step_deltas: bool
 
     def admit(self, ctx: AdmissionContext) -> int:
         """Return the worst-case decoded bytes of this content's tensors (``sum(nbytes)``) plus its manifest

@@ -388,7 +388,8 @@ class ContentConformance:
             for d in deltas(self.prompt, over, per_step=True, logprobs=self._logprobs_for(over)):
                 try:
                     for p in s._producers:  # the producer itself, past the session's own token check
-                        p.on_delta(d)
+                        if p.consumes_deltas:  # the host never feeds a content that declared it takes none
+                            p.on_delta(d)
                 except CaptureError:
                     return
                 for p in s._producers:
