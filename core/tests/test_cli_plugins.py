@@ -34,6 +34,9 @@ def run(args):
         raise GenartifactError("--mode bad-input: the plugin refused it")
     if args.mode == "bug":
         raise ZeroDivisionError("plugin bug")
+    if args.mode == "flood":  # far more than a pipe holds
+        for i in range(200_000):
+            print(f"hello {args.who} {i}")
     print(f"hello {args.who}")
     return 0
 
@@ -109,3 +112,16 @@ def test_duplicate_plugin_names_are_listed_and_refused(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
     r = cli(tmp_path, "generate", "--model", str(tmp_path), "--prompts", "p.jsonl")
     assert r.returncode == 2 and r.stderr.startswith("error: content 'moe_routes' is provided by two distributions")
+
+
+def test_output_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`genartifact inspect --json | head`: the reader leaves early; the CLI exits 141 (128 + SIGPIPE, as a
+    shell reports a tool killed by the broken pipe) without an error line or traceback."""
+    make_dist(tmp_path, "hello-cmd", "hello_cmd", CMD, {"genartifact.commands": {"hello": "hello_cmd"}})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "genartifact.cli", "hello", "w", "--mode", "flood"], env=env,
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.read(100).startswith(b"hello w 0")
+    p.stdout.close()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 141 and err == b"", err[-500:]

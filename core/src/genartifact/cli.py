@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -723,6 +724,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `genartifact inspect --json | head`: the reader left; exit quietly, as Unix tools do
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        except (OSError, ValueError):
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the broken pipe
     except Exception as e:  # noqa: BLE001 - one line unless --traceback
         from genartifact.host import redact
 
