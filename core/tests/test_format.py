@@ -565,3 +565,34 @@ def test_a_forked_child_encodes_with_the_inherited_compressor():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.fault("encoder", "tensor names: every code point, empty, dots/underscores only, 128/129 chars")
+def test_tensor_name_check_accepts_exactly_what_the_per_character_rule_does():
+    """``_check_name`` was rewritten for speed (strip ``.``/``_``, one ``str.isalnum``); it must accept and reject
+    exactly what the defining per-character rule does: 1..128 characters, each ``str.isalnum()`` or ``.``/``_``."""
+    import sys
+
+    def rule(name: str) -> bool:
+        return 0 < len(name) <= 128 and all(c.isalnum() or c in "._" for c in name)
+
+    def check(name: str) -> bool:
+        try:
+            fmt._check_name(name)
+            return True
+        except ArtifactFormatError:
+            return False
+
+    fixed = ["", ".", "_", "._", "." * 128, "_" * 129, "a" * 128, "a" * 129, "x." + "_" * 126, "1", "a b", "a\x00",
+             "a-b", "a/b", "ä", "٣", "Ⅷ", "²", "a\u0301", "\U0001d7d8"]
+    mismatched = [n for n in fixed if rule(n) != check(n)]
+    for cp in range(sys.maxunicode + 1):  # every code point alone (the rule is per character) ...
+        c = chr(cp)
+        if rule(c) != check(c):
+            mismatched.append(c)
+    for cp in range(0, sys.maxunicode + 1, 97):  # ... and a spread of them among dots, underscores, at 128 chars
+        c = chr(cp)
+        for n in ("a." + c + "_", "_" * 127 + c, "." * 128 + c):
+            if rule(n) != check(n):
+                mismatched.append(n)
+    assert mismatched == []
