@@ -138,7 +138,8 @@ class EncodedArtifact:
 def _check_name(name: str) -> None:
     rest = name.replace(".", "").replace("_", "")  # every other character must be alphanumeric (str.isalnum)
     if not name or len(name) > 128 or (rest and not rest.isalnum()):
-        raise ArtifactFormatError(f"tensor name {name!r} invalid: 1..128 chars of [A-Za-z0-9._]")
+        raise ArtifactFormatError(f"tensor name {name!r} invalid: 1..128 characters, each a letter or digit "
+                                  f"(any script, str.isalnum) or '.' or '_'")
 
 
 def _layout(tensors: Sequence[TensorPart]) -> tuple[list[dict[str, Any]], int]:

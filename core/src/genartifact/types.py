@@ -154,6 +154,9 @@ class ContentReader(Protocol):
     def view(self, manifest: Mapping[str, Any], section: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> Any:
         """Optional: the typed accessor returned by ``Artifact.content(name)``."""
 
+    def summary_text(self, summary: Mapping[str, Any]) -> str:
+        """Optional: one line for ``inspect``'s text output, from this reader's own :meth:`summary`."""
+
 
 @dataclass(frozen=True)
 class ValidatedTarget:
