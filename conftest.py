@@ -11,6 +11,29 @@ from genartifact.testing.s3server import SECRET_KEY as S3_SECRET
 from genartifact.testing.s3server import SeaweedS3
 
 
+def _genartifact_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("GENARTIFACT_")}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_genartifact_env():
+    """Fail a test that leaves a ``GENARTIFACT_*`` environment variable changed after its teardown (monkeypatch's
+    undo included): a leaked one reaches every later test and every subprocess they start. One did: a
+    ``GENARTIFACT_STORAGE_PROFILES`` set behind monkeypatch's back made a later benchmark read another profile."""
+    before = _genartifact_env()
+    yield
+    after = _genartifact_env()
+    if after != before:
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        for k in changed:  # put them back, so the rest of the session is not affected
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                os.environ.pop(k, None)
+        pytest.fail(f"the test left environment variable(s) {changed} changed; use monkeypatch.setenv/delenv",
+                    pytrace=False)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -76,6 +76,7 @@ def test_instrumented_scheduler_streams_one_fpm_per_forward_pass(tiny_model, fre
                 break
     finally:
         os.environ.pop("GENARTIFACT_FPM_STREAM")
+        os.environ.pop("GENARTIFACT_FPM_PORT_BASE")
         sub.close(0)
     seqs = [s for s, _ in got]
     fpms = [f for _, f in got]

@@ -607,7 +607,9 @@ def test_target_cache_pairs_the_target_with_what_was_parsed(monkeypatch):
     assert t2.profiles["a"].allowed_prefixes == ("other/",), (t1.profiles["a"].allowed_prefixes, t2.profiles)
     # the environment flips to another value during the parse and back: the target must be the unflipped one's
     extra = '{"b": {"url": "memory://y", "allowed_prefixes": [""]}}'
-    during[:] = [lambda: os.environ.__setitem__(m.ENV_PROFILES, extra)]
+    # through monkeypatch, so that the variable is removed again at teardown (set behind monkeypatch's back and then
+    # deleted with delenv, teardown would "restore" it: it once leaked into every later test and subprocess)
+    during[:] = [lambda: monkeypatch.setenv(m.ENV_PROFILES, extra)]
     settings2 = {"profiles": {"a": {"url": "memory://x", "allowed_prefixes": ["runs/"]}}}
     m.genartifact_storage_target("managed_fsspec", settings2)
     during.clear()
