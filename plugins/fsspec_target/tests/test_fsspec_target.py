@@ -145,17 +145,24 @@ def test_local_write_syncs_the_file_then_the_directory_after_publishing(tmp_path
     assert events == ["fsync_file", "link", ("fsync_dir", "root/runs/a")]  # nothing new above the key
 
 
-@pytest.mark.fault("managed", "new parent directory's sync failing after the publish (file://)")
-def test_local_new_directory_sync_failure_leaves_no_key(tmp_path, monkeypatch):
-    """The key's own directory syncs, but a directory made for it cannot be made durable (EIO syncing its
-    parent): no receipt, so no key either."""
+@pytest.mark.parametrize("failing", [
+    pytest.param(None, id="key-directory",
+                 marks=pytest.mark.fault("managed", "directory fsync failing after the publish (file://)")),
+    pytest.param("runs", id="new-parent",
+                 marks=pytest.mark.fault("managed", "new parent directory's sync failing after the publish (file://)")),
+])
+def test_local_directory_sync_failure_leaves_no_key(tmp_path, monkeypatch, failing):
+    """A directory sync after the publish fails (EIO): the key's own directory (every directory sync fails), or
+    only a directory made for the key (``runs``, synced through its parent while the key's directory syncs). No
+    receipt, so no key either, and no temp file."""
     import errno
     import stat
 
     real_fsync = os.fsync
 
     def fsync(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode) and os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "runs"):
+        if stat.S_ISDIR(os.fstat(fd).st_mode) and (
+                failing is None or os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / failing)):
             raise OSError(errno.EIO, "Input/output error")
         return real_fsync(fd)
 
@@ -166,27 +173,6 @@ def test_local_new_directory_sync_failure_leaves_no_key(tmp_path, monkeypatch):
         asyncio.run(t.deliver(v, b"bytes", "x"))
     assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
     assert os.listdir(tmp_path / "runs/a") == []
-
-
-@pytest.mark.fault("managed", "directory fsync failing after the publish (file://)")
-def test_local_directory_sync_failure_leaves_nothing(tmp_path, monkeypatch):
-    import errno
-    import stat
-
-    real_fsync = os.fsync
-
-    def fsync(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, "Input/output error")
-        return real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    t = target(tmp_path)
-    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
-    with pytest.raises(DeliveryError) as e:
-        asyncio.run(t.deliver(v, b"bytes", "x"))
-    assert e.value.code == "delivery_failed"
-    assert os.listdir(tmp_path / "runs/a") == []  # no key (no receipt, no object) and no temp file
 
 
 @pytest.mark.fault("managed", "second write to a memory:// key")
