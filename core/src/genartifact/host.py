@@ -268,30 +268,6 @@ class GuardedProducer:
     def on_delta(self, delta: Any) -> None:
         call_plugin(self.info, "on_delta", self.inner.on_delta, delta, expected=(CaptureError,))
 
-    def on_delta_retained(self, delta: Any) -> int:
-        """``on_delta(delta)`` then ``retained_bytes()``, checked as those two are: the per-step hot path of
-        :meth:`genartifact.session.ArtifactSession.record` (one call per producer and delta instead of the
-        generic wrapper twice; the same faults, the same checks)."""
-        inner = self.inner
-        try:
-            inner.on_delta(delta)
-        except (PluginFault, CaptureError):
-            raise
-        except Exception as e:  # noqa: BLE001 - isolated: attributed to the plugin
-            raise fault(self.info, "on_delta", e) from e
-        try:
-            n = inner.retained_bytes()
-        except PluginFault:
-            raise
-        except Exception as e:  # noqa: BLE001 - isolated: attributed to the plugin
-            raise fault(self.info, "retained_bytes", e) from e
-        if type(n) is not int or n < 0:  # noqa: E721 - exact int (not bool), as _is_count
-            if not _is_count(n):
-                raise fault(self.info, "retained_bytes", problem=f"returned {n!r}; expected an int >= 0")
-        if self.admitted is not None and n > self.admitted:
-            raise fault(self.info, "retained_bytes", problem=f"retains {n} bytes; admit() declared at most {self.admitted}")
-        return n
-
     async def collect(self, final: Any) -> None:
         await acall_plugin(self.info, "collect", self.inner.collect, final, expected=(CaptureError,))
 

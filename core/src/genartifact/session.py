@@ -254,12 +254,12 @@ class ArtifactSession:
             self._completion.extend(delta.new_token_ids)
         except OverflowError:
             raise CaptureError("token id out of range 0..2**32-1") from None
-        # the per-step hot path: each delta-fed producer's on_delta + retained_bytes in one guarded call (the
-        # others retain nothing between collects), then the budget
+        # only the producers fed per delta (the others retain nothing between collects), then the budget
         if self._delta_producers:
             retained = TOKEN_BYTES * (n_prompt + len(self._completion))
             for p in self._delta_producers:
-                retained += p.on_delta_retained(delta)
+                p.on_delta(delta)
+                retained += p.retained_bytes()
             if retained > self.peak_retained:
                 self.peak_retained = retained
             if retained > self.budget:
