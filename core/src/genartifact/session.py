@@ -543,34 +543,26 @@ def _json_size_upto(obj: Any, n: int, limit: int) -> int:
     stack = [obj]
     while stack:
         o = stack.pop()
-        t = type(o)
-        if t is str:
+        if isinstance(o, str):
             n += len(o) + 2
-        elif t in _JSON_SCALARS:
-            n += 24
-        elif t is dict or isinstance(o, Mapping):
+        elif isinstance(o, Mapping):
             n += 2 + 4 * len(o)
             if n > limit:
                 return n
             for k, v in o.items():
-                n += len(k) if type(k) is str else 24
+                n += len(k) if isinstance(k, str) else 24
                 stack.append(v)
-        elif t is list or t is tuple or isinstance(o, (list, tuple, str)):
-            if isinstance(o, str):  # a str subclass
-                n += len(o) + 2
-            else:
-                n += 2 + len(o)
-                if n > limit:
-                    return n
-                stack.extend(o)
-        else:  # values the encoder will refuse (or convert): sized like a number
+        elif isinstance(o, (list, tuple)):
+            n += 2 + len(o)
+            if n > limit:
+                return n
+            stack.extend(o)
+        else:  # numbers, bools, None, or values the encoder will refuse (or convert): sized like a number
             n += 24
         if n > limit:
             return n
     return n
 
-
-_JSON_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def _consume(task: asyncio.Task[Any]) -> None:
