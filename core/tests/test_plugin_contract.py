@@ -78,17 +78,22 @@ class EchoReader:
         return {"n": int(tensors["echo.values"].size)}
 
 
-def echo_plugin(**kw):
+def _plugin(make):
+    """A content plugin serving ``echo``: the producer ``make(name)`` and an :class:`EchoReader`."""
     class Plugin:
         @hookimpl
         def genartifact_content_producer(self, name, model):
-            return Echo(name, **kw) if name == "echo" else None
+            return make(name) if name == "echo" else None
 
         @hookimpl
         def genartifact_content_reader(self, name):
             return EchoReader() if name == "echo" else None
 
     return Plugin()
+
+
+def echo_plugin(**kw):
+    return _plugin(lambda name: Echo(name, **kw))
 
 
 # ------------------------------------------------------------------------------------------ run order
@@ -315,16 +320,7 @@ def test_other_requests_run_on_after_a_fault_in_one():
                 raise ValueError("first request only")
             super().on_delta(delta)
 
-    class P:
-        @hookimpl
-        def genartifact_content_producer(self, name, model):
-            return Flaky(name) if name == "echo" else None
-
-        @hookimpl
-        def genartifact_content_reader(self, name):
-            return EchoReader() if name == "echo" else None
-
-    host = make_host(contents={"echo": P()})
+    host = make_host(contents={"echo": _plugin(Flaky)})
 
     async def both():
         from genartifact.testing import arun_session
@@ -422,19 +418,11 @@ class CollectOnly(Echo):
 def _collect_only_plugin(**kw):
     made = []
 
-    class Plugin:
-        @hookimpl
-        def genartifact_content_producer(self, name, model):
-            if name != "echo":
-                return None
-            made.append(CollectOnly(name, **kw))
-            return made[-1]
+    def make(name):
+        made.append(CollectOnly(name, **kw))
+        return made[-1]
 
-        @hookimpl
-        def genartifact_content_reader(self, name):
-            return EchoReader() if name == "echo" else None
-
-    return Plugin(), made
+    return _plugin(make), made
 
 
 def test_content_that_consumes_no_deltas_gets_none_and_is_still_bounded_at_finalize():
@@ -463,31 +451,13 @@ def test_consumes_deltas_attribute_raising_is_a_plugin_fault_at_admission():
         def consumes_deltas(self):
             raise RuntimeError("no idea")
 
-    class Plugin:
-        @hookimpl
-        def genartifact_content_producer(self, name, model):
-            return Broken(name) if name == "echo" else None
-
     with pytest.raises(PluginFault, match="consumes_deltas"):
-        run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3])
+        run_session(make_host(contents={"echo": _plugin(Broken)}), ["echo"], [1, 2], [3])
 
 
 # ------------------------------------------------------------------------------------------ hot-path faults
-def _flag_plugin(make):
-    class Plugin:
-        @hookimpl
-        def genartifact_content_producer(self, name, model):
-            return make(name) if name == "echo" else None
-
-        @hookimpl
-        def genartifact_content_reader(self, name):
-            return EchoReader() if name == "echo" else None
-
-    return Plugin()
-
-
 def _with(**attrs):
-    return _flag_plugin(lambda name: type("Flagged", (Echo,), attrs)(name))
+    return _plugin(lambda name: type("Flagged", (Echo,), attrs)(name))
 
 
 # ------------------------------------------------------------------------------------------ optional flags
@@ -511,7 +481,7 @@ def test_numpy_bools_are_bools():
         async def collect(self, final):
             self.vals = list(final.completion_token_ids)
 
-    res = run_session(make_host(contents={"echo": _flag_plugin(CollectOnly)}), ["echo"], [1, 2], [3, 4])
+    res = run_session(make_host(contents={"echo": _plugin(CollectOnly)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "ready" and res.artifact.tensors["echo.values"].tolist() == [3, 4]
     res = run_session(make_host(contents={"echo": _with(per_step_deltas=np.True_)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "ready" and res.session.per_step_deltas is True
@@ -529,7 +499,7 @@ def test_per_step_deltas_is_read_once_at_admission_as_a_guarded_plugin_call():
             raise RuntimeError("no idea")
 
     with pytest.raises(PluginFault, match="per_step_deltas"):
-        run_session(make_host(contents={"echo": _flag_plugin(Raises)}), ["echo"], [1, 2], [3])
+        run_session(make_host(contents={"echo": _plugin(Raises)}), ["echo"], [1, 2], [3])
 
     reads = []
 
@@ -539,7 +509,7 @@ def test_per_step_deltas_is_read_once_at_admission_as_a_guarded_plugin_call():
             reads.append(1)
             return len(reads) == 1  # True when admitted, False if asked again
 
-    res = run_session(make_host(contents={"echo": _flag_plugin(Counted)}), ["echo"], [1, 2], [3, 4])
+    res = run_session(make_host(contents={"echo": _plugin(Counted)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "ready" and res.session.per_step_deltas is True and len(reads) == 1
 
 
@@ -557,7 +527,7 @@ def test_consumes_deltas_set_in_admit_is_honoured():
         async def collect(self, final):
             self.vals = list(final.completion_token_ids)
 
-    res = run_session(make_host(contents={"echo": _flag_plugin(LateFlag)}), ["echo"], [1, 2], [3, 4])
+    res = run_session(make_host(contents={"echo": _plugin(LateFlag)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "ready"
 
 
@@ -594,7 +564,7 @@ def test_a_large_section_with_tiny_tensors_is_encoded_off_the_loop(monkeypatch):
             return {"blob": ["x" * 100] * 3000}, [TensorPart(f"{self.name}.values", np.asarray(self.vals, "<u4"))]
 
     ran = _encode_threads(monkeypatch)
-    res = run_session(make_host(contents={"echo": _flag_plugin(BigSection)}), ["echo"], [1, 2], [3, 4])
+    res = run_session(make_host(contents={"echo": _plugin(BigSection)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "ready" and ran == ["thread"]
 
 
@@ -610,7 +580,7 @@ def test_an_array_subclass_is_never_sized_by_its_own_nbytes(monkeypatch):
             return {}, [TensorPart(f"{self.name}.values", np.asarray(self.vals, "<u4").view(Liar))]
 
     ran = _encode_threads(monkeypatch)
-    run_session(make_host(contents={"echo": _flag_plugin(Lying)}), ["echo"], [1, 2], [3, 4])
+    run_session(make_host(contents={"echo": _plugin(Lying)}), ["echo"], [1, 2], [3, 4])
     assert ran == ["thread"]
 
 
@@ -660,7 +630,7 @@ def test_capture_error_messages_are_redacted_in_the_log(where):
             return super().finalize(final)
 
     with structlog.testing.capture_logs() as logs:
-        res = run_session(make_host(contents={"echo": _flag_plugin(Leaky)}), ["echo"], [1, 2], [3, 4])
+        res = run_session(make_host(contents={"echo": _plugin(Leaky)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["error_code"] == "capture_invalid"
     text = repr(logs)
     assert "artifact_capture_invalid" in text and "h.example/x" in text
@@ -677,6 +647,6 @@ def test_collect_cannot_rewrite_the_stored_token_ids():
             except TypeError:
                 pass
 
-    res = run_session(make_host(contents={"echo": _flag_plugin(Rewriter)}), ["echo"], [1, 2], [3, 4])
+    res = run_session(make_host(contents={"echo": _plugin(Rewriter)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "ready"
     assert res.artifact.completion_token_ids.tolist() == [3, 4]
