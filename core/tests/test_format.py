@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -88,36 +90,84 @@ def large_input() -> fmt.ArtifactInput:
 
 
 # SHA-256 of the encoding of large_input(), pinned before the encoder overlapped compression, validation and
-# hashing (issue 13; unchanged when the frame became the streamed procedure: on this input both give the same
-# bytes): the stored bytes must not depend on how the encoder schedules its work.
+# hashing (issue 13; unchanged when the frame became the streamed procedure, and when it became the multi-threaded
+# one: its body fits one zstd job, where all three give the same bytes): the stored bytes must not depend on how
+# the encoder schedules its work.
 GOLDEN_LARGE_SHA256 = "66bc2f6dec305703a391f538c218f477fe2af24e9712f578761efbd2f971b084"
 GOLDEN_LARGE_BYTES = 1020570
 
 
-@pytest.mark.parametrize("parallel", [True, False], ids=["overlapped", "inline"])
-def test_large_encoding_is_pinned_on_both_paths(parallel, monkeypatch):
-    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20 if parallel else 1 << 62)
-    encs = [fmt.encode(large_input()) for _ in range(3)]
-    assert {(e.sha256, e.byte_count) for e in encs} == {(GOLDEN_LARGE_SHA256, GOLDEN_LARGE_BYTES)}
-    assert all(e.sha256 == hashlib.sha256(e.data).hexdigest() for e in encs)  # the digest is of the stored bytes
-    assert encs[0].decoded_bytes >= 1 << 20  # the overlapped path really ran
-    # and it is exactly the documented frame procedure (docs/format.md): zstd streaming, 1 MiB input pieces
+def multi_job_input() -> fmt.ArtifactInput:
+    """Like :func:`large_input`, 6.4 MB decoded: several zstd jobs, where the multi-threaded frame differs from a
+    single-threaded one."""
+    routers, rows, k, p = 48, 16383, 8, 4096
+    i = np.arange(routers * rows * k, dtype=np.uint64)
+    x = (i * np.uint64(2654435761)) ^ (i >> np.uint64(7))
+    ids = ((x ^ (x >> np.uint64(13))) % np.uint64(64)).astype(np.uint8)
+    ids[::3] = (i[::3] % np.uint64(5)).astype(np.uint8)
+    tokens = ((np.arange(rows + 1, dtype=np.uint64) * np.uint64(48271)) % np.uint64(150000)).astype(np.uint32)
+    lp = -(np.arange(rows + 1 - p, dtype=np.float32) % 97) / np.float32(7.0)
+    return fmt.ArtifactInput(
+        token_ids=tokens, prompt_token_count=p, contents=["moe_routes", "selected_logprobs"],
+        sections={"moe_routes": {"token_start": 0, "router_ids": list(range(routers)), "expert_counts": [64] * routers,
+                                 "top_k": k, "layout": "router_major", "source": "test"},
+                  "selected_logprobs": {"token_start": p}},
+        tensors=[fmt.TensorPart("moe_routes.expert_ids", ids.reshape(routers, rows, k)),
+                 fmt.TensorPart("selected_logprobs.logprobs", lp)],
+        header={"engine": {"name": "test", "version": "0"}})
+
+
+# pinned when the frame became libzstd's multi-threaded streaming output (issue 13, 2026-12-01)
+GOLDEN_MULTI_JOB_SHA256 = "f977a2d8d280f366bab45ac035af35d1ae7251f4b4396cd1be2b02d94becddd1"
+GOLDEN_MULTI_JOB_BYTES = 3998485
+
+
+def _streamed(body: bytes, threads: int, piece: int) -> bytes:
+    c = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False,
+                                 threads=threads).compressobj(size=len(body))
+    return b"".join(c.compress(body[i : i + piece]) for i in range(0, len(body), piece)) + c.flush()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_large_encoding_is_pinned_whatever_the_worker_count(threads, monkeypatch):
+    """The stored bytes are the same for every zstd worker count (``ENCODE_THREADS`` is a machine policy, not part
+    of the format) and equal docs/format.md's procedure: libzstd's multi-threaded streaming frame (any worker
+    count, any input split), which differs from a single-threaded frame on a multi-job body."""
+    monkeypatch.setattr(fmt, "ENCODE_THREADS", threads)
+    for make, sha, size in ((multi_job_input, GOLDEN_MULTI_JOB_SHA256, GOLDEN_MULTI_JOB_BYTES),
+                            (large_input, GOLDEN_LARGE_SHA256, GOLDEN_LARGE_BYTES)):
+        encs = [fmt.encode(make()) for _ in range(3)]  # the third reuses this thread's compressor twice
+        assert {(e.sha256, e.byte_count) for e in encs} == {(sha, size)}
+        assert all(e.sha256 == hashlib.sha256(e.data).hexdigest() for e in encs)  # the digest is of the stored bytes
     body = zstandard.ZstdDecompressor().decompress(encs[0].data[fmt.PRELUDE_SIZE:])
-    c = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False).compressobj(size=len(body))
-    streamed = b"".join(c.compress(body[i : i + (1 << 20)]) for i in range(0, len(body), 1 << 20)) + c.flush()
-    assert encs[0].data[fmt.PRELUDE_SIZE:] == streamed
+    multi = fmt.encode(multi_job_input()).data[fmt.PRELUDE_SIZE:]
+    mbody = zstandard.ZstdDecompressor().decompress(multi)
+    assert multi == _streamed(mbody, 1, 1 << 20) == _streamed(mbody, 4, 4096)
+    assert multi != _streamed(mbody, 0, 1 << 20)  # the input really tells the multi-threaded frame apart
+    assert encs[0].data[fmt.PRELUDE_SIZE:] == _streamed(body, 1, 1 << 20)
 
 
-def test_overlapped_encode_validation_error_raises_and_returns_nothing(monkeypatch):
-    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20)
-    inp = large_input()
+def test_small_bodies_keep_the_single_threaded_frame():
+    """Up to 512 KiB (libzstd's ``ZSTDMT_JOBSIZE_MIN``) libzstd compresses in the calling thread: such objects
+    (every ordinary per-request artifact) keep the bytes of the encoder before the multi-threaded frame."""
+    assert fmt.encode(sample_input()).sha256 == GOLDEN_SHA256
+    rng = np.random.default_rng(3)
+    for n in (1000, 100_000, 130_900):  # u32 token ids: bodies up to 512 KiB
+        enc = fmt.encode(_logprobs_only((rng.integers(0, 64, size=n, dtype=np.uint32) * 7).astype(np.uint32)))
+        assert enc.decoded_bytes <= 512 << 10
+        body = zstandard.ZstdDecompressor().decompress(enc.data[fmt.PRELUDE_SIZE:])
+        assert enc.data[fmt.PRELUDE_SIZE:] == _streamed(body, 0, 1 << 20), n
+
+
+def test_large_encode_validation_error_raises_and_returns_nothing():
+    inp = multi_job_input()
     bad = inp.tensors[0].array.copy()
     bad[5, 100, 3] = 64  # expert id out of range for expert_counts 64: the routes reader refuses it
     inp = fmt.ArtifactInput(inp.token_ids, inp.prompt_token_count, inp.contents, inp.sections,
                             [fmt.TensorPart("moe_routes.expert_ids", bad), inp.tensors[1]], inp.header)
     with pytest.raises(ArtifactFormatError, match="expert"):
         fmt.encode(inp)
-    assert fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256  # the pool is left usable
+    assert fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256  # the compressor is left usable
 
 
 def test_frame_declares_content_size_and_single_frame():
@@ -131,17 +181,24 @@ def test_tensors_aligned_to_64():
     assert all(r["offset"] % 64 == 0 for r in art.manifest["tensors"])
 
 
-def test_encoded_bound_holds_for_incompressible_data():
-    rng = np.random.default_rng(0)
+def _logprobs_only(token_ids: np.ndarray) -> fmt.ArtifactInput:
+    """``sample_input()`` with ``token_ids`` (u32) as its tokens, all but the last four prompt, no routes."""
     inp = sample_input()
-    inp.token_ids = rng.integers(0, 2**32 - 1, size=200_000, dtype=np.uint32)
-    inp.prompt_token_count = 200_000 - 4
+    inp.token_ids = token_ids
+    inp.prompt_token_count = len(token_ids) - 4
     inp.sections["selected_logprobs"]["token_start"] = inp.prompt_token_count
     inp.tensors = [t for t in inp.tensors if t.name != "moe_routes.expert_ids"]
     inp.contents = ["selected_logprobs"]
     del inp.sections["moe_routes"]
-    enc = fmt.encode(inp)
+    return inp
+
+
+@pytest.mark.parametrize("tokens", [200_000, 2_000_000])  # one zstd job, and several (multi-threaded frame)
+def test_encoded_bound_holds_for_incompressible_data(tokens):
+    rng = np.random.default_rng(0)
+    enc = fmt.encode(_logprobs_only(rng.integers(0, 2**32 - 1, size=tokens, dtype=np.uint32)))
     assert enc.byte_count <= fmt.encoded_size_bound(enc.decoded_bytes)
+    assert enc.byte_count > enc.decoded_bytes  # really incompressible: the bound is what is tested
 
 
 def test_torch_conversion():
@@ -434,13 +491,10 @@ def test_frame_walk_names_an_oversized_block_and_a_torn_block_header():
 
 @pytest.mark.fault("encoder", "fork while another thread holds the helper pool's lock")
 def test_encode_in_a_child_forked_while_the_pool_lock_was_held(monkeypatch):
-    """A child forked while another thread was inside the helper pool's lock (creating the pool) encodes and
-    hashes large objects (the overlapped path) to the same bytes as ever, instead of waiting forever."""
-    import os
-    import signal
-    import threading
-
-    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20)
+    """A child forked while another thread was inside the helper pool's lock (creating the pool) encodes large
+    objects and decodes them with the hash in the helper pool, to the same bytes as ever, instead of waiting
+    forever."""
+    monkeypatch.setattr(fmt, "PARALLEL_HASH_BYTES", 1 << 20)
     inside, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -456,25 +510,23 @@ def test_encode_in_a_child_forked_while_the_pool_lock_was_held(monkeypatch):
         code = 3
         try:
             signal.alarm(20)  # a hang ends the child with SIGALRM
-            enc = fmt.encode(large_input())
-            ok = enc.sha256 == GOLDEN_LARGE_SHA256 and fmt.decode(enc.data).sha256 == GOLDEN_LARGE_SHA256
+            enc = fmt.encode(multi_job_input())
+            ok = enc.sha256 == GOLDEN_MULTI_JOB_SHA256 and fmt.decode(enc.data).sha256 == GOLDEN_MULTI_JOB_SHA256
             code = 0 if ok else 4
         finally:
             os._exit(code)
     release.set()
     t.join()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, f"child: {os.waitstatus_to_exitcode(status)} (-14: hung)"
+    assert _child_exit(pid) == 0, "child: -14 or 'hung' means it waited forever"
 
 
-@pytest.mark.fault("encoder", "concurrent overlapped encodes")
-def test_concurrent_overlapped_encodes_equal_the_single_threaded_bytes(monkeypatch):
-    """Sixteen encodes from eight threads (more than the two helper threads) all give the pinned bytes, and a
-    validation error in some of them neither hangs nor changes the others' bytes."""
+@pytest.mark.fault("encoder", "concurrent multi-threaded encodes")
+def test_concurrent_large_encodes_give_the_pinned_bytes():
+    """Sixteen encodes from eight threads (each with its own compressor and zstd worker) all give the pinned
+    bytes, and a validation error in some of them neither hangs nor changes the others' bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20)
-    inp = large_input()
+    inp = multi_job_input()
     bad_routes = inp.tensors[0].array.copy()
     bad_routes[5, 100, 3] = 64
     bad = fmt.ArtifactInput(inp.token_ids, inp.prompt_token_count, inp.contents, inp.sections,
@@ -485,26 +537,30 @@ def test_concurrent_overlapped_encodes_equal_the_single_threaded_bytes(monkeypat
             with pytest.raises(ArtifactFormatError, match="expert"):
                 fmt.encode(bad)
             return "refused"
-        return fmt.encode(large_input()).sha256
+        return fmt.encode(multi_job_input()).sha256
 
     with ThreadPoolExecutor(8) as ex:
         out = list(ex.map(one, range(16), timeout=120))
-    assert out == ["refused" if k % 4 == 3 else GOLDEN_LARGE_SHA256 for k in range(16)]
+    assert out == ["refused" if k % 4 == 3 else GOLDEN_MULTI_JOB_SHA256 for k in range(16)]
+    # eight concurrent frames needed up to eight compressors; only a bounded few stay idle (each ~13-20 MiB)
+    assert 1 <= len(fmt._IDLE_COMPRESSORS[(fmt.ZSTD_LEVEL, fmt.ENCODE_THREADS)]) <= fmt.MAX_IDLE_MT_COMPRESSORS
 
 
 def test_frame_does_not_depend_on_how_the_body_is_split():
     """The encoder streams the body's pieces (length, manifest, padding, each tensor) without assembling it; the
-    format defines the frame as streaming the whole body (docs/format.md). That holds only because zstd's
-    streaming compressor buffers input into whole blocks: pinned here for the installed zstd, on random splits."""
-    enc = fmt.encode(large_input())
+    format defines the frame as streaming the whole body (docs/format.md). That holds only because libzstd's
+    multi-threaded streaming compressor cuts its input into jobs of a fixed size, whatever the calls: pinned here
+    for the installed zstd, on random splits."""
+    enc = fmt.encode(multi_job_input())
     body = zstandard.ZstdDecompressor().decompress(enc.data[fmt.PRELUDE_SIZE:])
-    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False)
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False, threads=1)
     rng = np.random.default_rng(7)
     for n_cuts in (0, 1, 17, 300):
         cuts = [0, *sorted(rng.integers(1, len(body), size=n_cuts).tolist()), len(body)]
-        out: list[bytes] = []
-        fmt._frame_pieces(cctx, [body[a:b] for a, b in zip(cuts, cuts[1:], strict=False)], len(body), out.append)
-        assert b"".join(out) == enc.data[fmt.PRELUDE_SIZE:], n_cuts
+        sink = fmt._HashingSink(b"")
+        w = fmt._frame_pieces(cctx, [body[a:b] for a, b in zip(cuts, cuts[1:], strict=False)], len(body), sink)
+        w.flush(zstandard.FLUSH_FRAME)
+        assert sink.object.getvalue() == enc.data[fmt.PRELUDE_SIZE:], n_cuts
 
 
 def test_encoder_does_not_copy_or_alter_the_callers_tensors():
@@ -518,9 +574,8 @@ def test_encoder_does_not_copy_or_alter_the_callers_tensors():
 
 # ------------------------------------------------------------------------------------------ compressor
 @pytest.mark.fault("encoder", "per-thread compressor after a frame abandoned by a validation error")
-def test_compressor_reused_after_an_abandoned_frame_gives_the_same_bytes(monkeypatch):
-    monkeypatch.setattr(fmt, "PARALLEL_ENCODE_BYTES", 1 << 20)  # the overlapped path: the frame is abandoned
-    inp = large_input()
+def test_compressor_reused_after_an_abandoned_frame_gives_the_same_bytes():
+    inp = multi_job_input()  # the frame is abandoned after all input went to zstd's worker
     bad_routes = inp.tensors[0].array.copy()
     bad_routes[5, 100, 3] = 64
     bad = fmt.ArtifactInput(inp.token_ids, inp.prompt_token_count, inp.contents, inp.sections,
@@ -528,7 +583,7 @@ def test_compressor_reused_after_an_abandoned_frame_gives_the_same_bytes(monkeyp
     for _ in range(2):
         with pytest.raises(fmt.ArtifactFormatError):
             fmt.encode(bad)
-        assert fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256  # same thread, same compressor
+        assert fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256  # same thread, same compressor
 
 
 @pytest.mark.fault("encoder", "encode re-entered in the same thread mid-frame")
@@ -539,32 +594,116 @@ def test_an_encode_reentered_mid_frame_does_not_corrupt_the_outer_frame(monkeypa
     real = fmt._frame_pieces
     inner: list[str] = []
 
-    def frame_pieces(cctx, pieces, size, emit, stopped=None):
-        def emit_then_reenter(piece):
-            emit(piece)
-            if not inner:  # once, mid-frame (the first output block of a multi-block body)
-                inner.append("")
-                inner[0] = fmt.encode(large_input()).sha256
+    class Reentering:
+        def __init__(self, sink):
+            self.sink = sink
 
-        return real(cctx, pieces, size, emit_then_reenter, stopped)
+        def write(self, piece):
+            n = self.sink.write(piece)
+            if not inner:  # once, mid-frame (the first output piece of a multi-job body)
+                inner.append("")
+                inner[0] = fmt.encode(multi_job_input()).sha256
+            return n
+
+    def frame_pieces(cctx, pieces, size, sink):
+        return real(cctx, pieces, size, Reentering(sink))
 
     monkeypatch.setattr(fmt, "_frame_pieces", frame_pieces)
-    assert fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256
-    assert inner == [GOLDEN_LARGE_SHA256]
+    assert fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256
+    assert inner == [GOLDEN_MULTI_JOB_SHA256]
 
 
-def test_a_forked_child_encodes_with_the_inherited_compressor():
-    assert fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256  # this thread's compressor exists
+def _child_exit(pid: int, timeout: float = 60.0) -> int | str:
+    """The exit code of forked child ``pid``, or ``"hung"`` (then it is killed) when it has not ended after
+    ``timeout`` seconds: the parent must not wait forever on a child stuck before its own alarm could be set
+    (inside the interpreter's after-fork clean-up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+def _fork_and_encode() -> int | str:
+    """Fork; the child encodes ``multi_job_input()`` and exits 0 when it got the pinned bytes."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         code = 3
         try:
             signal.alarm(20)
-            code = 0 if fmt.encode(large_input()).sha256 == GOLDEN_LARGE_SHA256 else 4
+            code = 0 if fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256 else 4
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    return _child_exit(pid)
+
+
+@pytest.mark.fault("encoder", "fork after multi-threaded encodes in this and other threads (zstd workers not forked)")
+def test_a_forked_child_encodes_after_the_parents_large_encodes():
+    """The child of a process whose threads (this one, and a finished pool thread: its thread-local data is
+    cleared in the child right after the fork) made multi-threaded frames encodes to the same bytes and does not
+    wait for zstd workers that only the parent has."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256
+    with ThreadPoolExecutor(1) as ex:
+        assert ex.submit(lambda: fmt.encode(multi_job_input()).sha256).result() == GOLDEN_MULTI_JOB_SHA256
+        assert _fork_and_encode() == 0  # the pool thread is still alive in the parent here
+
+
+@pytest.mark.fault("encoder", "forked child that exits normally: interpreter shutdown frees inherited compressors")
+def test_a_forked_child_that_exits_normally_does_not_hang_in_shutdown():
+    """A child that ends through interpreter shutdown (not ``os._exit``) frees its module globals: the parent's
+    idle multi-threaded compressors must not be among them (freeing one joins zstd workers the child lacks)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_format import multi_job_input, GOLDEN_MULTI_JOB_SHA256
+from genartifact import format as fmt
+assert fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256
+pid = os.fork()
+if pid == 0:
+    ok = fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256
+    sys.exit(0 if ok else 4)  # normal shutdown
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, 9)
+sys.exit(7)  # the child hung
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.fault("encoder", "fork while another thread is inside a multi-threaded encode")
+def test_a_fork_during_another_threads_large_encode_leaves_a_working_child():
+    stop = threading.Event()
+    shas: list[str] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            shas.append(fmt.encode(multi_job_input()).sha256)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    try:
+        time.sleep(0.05)
+        codes = [_fork_and_encode() for _ in range(3)]
+    finally:
+        stop.set()
+        t.join()
+    assert codes == [0, 0, 0]
+    assert shas and set(shas) == {GOLDEN_MULTI_JOB_SHA256}
 
 
 @pytest.mark.fault("encoder", "tensor names: every code point, empty, dots/underscores only, 128/129 chars")

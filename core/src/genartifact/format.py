@@ -18,6 +18,7 @@ Only ``numpy`` and ``zstandard`` are imported here: the reader runs without an e
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -247,91 +248,124 @@ def _stored(a: np.ndarray, dt: np.dtype[Any], shape: Sequence[int]) -> np.ndarra
     return out
 
 
-def _frame_pieces(cctx: Any, pieces: Sequence[Any], size: int, emit: Any, stopped: Any = None) -> None:
-    """Compress the body given as ``pieces`` (bytes-like, in order, ``size`` bytes in all) to one zstd frame with
-    its content size declared, through zstd's streaming compressor (``ZSTD_compressStream2``: ``ZSTD_e_continue``
-    per input piece of at most :data:`ENCODE_CHUNK_BYTES`, ``ZSTD_e_end`` after the last), passing each non-empty
-    output piece to ``emit`` in order. zstd's streaming compressor buffers its input into whole blocks, so the
-    frame does not depend on how the body is split into pieces (pinned by ``core/tests/test_format.py``): it is
-    the frame of streaming the whole body — the format's definition (``docs/format.md``). ``stopped`` (a
-    callable) returning true between pieces abandons the frame (nothing more is emitted)."""
-    c = cctx.compressobj(size=size)
+def _frame_pieces(cctx: Any, pieces: Sequence[Any], size: int, sink: Any) -> Any:
+    """Stream the body given as ``pieces`` (bytes-like, in order, ``size`` bytes in all) into a zstd frame with its
+    content size declared (``ZSTD_compressStream2``: ``ZSTD_e_continue`` per input piece of at most
+    :data:`ENCODE_CHUNK_BYTES`), passing each output piece (at most 128 KiB, zstd's recommended output size) to
+    ``sink.write`` in order; returns the stream writer, whose ``flush(zstandard.FLUSH_FRAME)`` (``ZSTD_e_end``)
+    writes the frame's last pieces. Ending with a separate ``ZSTD_e_end`` call, never with a single ``ZSTD_e_end``
+    call holding all input, keeps libzstd off its one-pass shortcut, which does not follow the multi-threaded
+    streaming output (facebook/zstd#2327). With ``cctx`` from :func:`_compressor` the frame does not depend on how
+    the body is split into pieces, nor on the number of worker threads (pinned by ``core/tests/test_format.py``):
+    it is the frame that ``docs/format.md`` defines."""
+    w = cctx.stream_writer(sink, size=size, closefd=False)
     for piece in pieces:
         mv = memoryview(piece)
         for i in range(0, len(mv), ENCODE_CHUNK_BYTES):
-            if stopped is not None and stopped():
-                return
-            out = c.compress(mv[i : i + ENCODE_CHUNK_BYTES])
-            if out:
-                emit(out)
-    emit(c.flush())
+            w.write(mv[i : i + ENCODE_CHUNK_BYTES])
+    return w
 
 
-_COMPRESSORS = threading.local()
+class _HashingSink:
+    """Where the frame's output pieces go (:func:`_frame_pieces`): each is hashed (SHA-256, after the prelude)
+    and appended to the object while it is still in the CPU cache. ``io.BytesIO.getvalue()`` hands over its
+    buffer without a copy."""
+
+    def __init__(self, prelude: bytes) -> None:
+        self.hash = hashlib.sha256(prelude)
+        self.object = io.BytesIO()
+        self.object.write(prelude)
+
+    def write(self, piece: Any) -> int:
+        self.hash.update(piece)
+        return self.object.write(piece)
 
 
-def _compressor(level: int) -> Any:
-    """Take this thread's ``ZstdCompressor`` for ``level`` (content size written, no zstd checksum) out of its
-    per-thread cache, making one when none is there; give it back with :func:`_return_compressor` once its frame
-    is done. Building one costs about as much as compressing a small artifact. A compressor serves one frame at a
-    time: python-zstandard's objects are not for concurrent use, and a second ``compressobj`` on the same
-    compressor silently corrupts the first, unfinished frame. Per thread, and taken out while in use, a
-    compressor is never shared: not across threads, nor by an encode re-entered in the same thread (a signal
-    handler or finalizer that encodes gets a fresh one). Reuse does not change the frame: every ``compressobj``
-    starts a fresh frame, also after one was abandoned mid-way (validation failure) or failed."""
-    cache = getattr(_COMPRESSORS, "by_level", None)
-    if cache is None:
-        cache = _COMPRESSORS.by_level = {}
-    c = cache.pop(level, None)
-    if c is None:
-        c = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-    return c
+#: idle compressors of this process by ``(level, zstd worker threads)``; taking one and giving it back are single
+#: ``list`` operations (atomic under the GIL): no lock that a fork could leave held
+_IDLE_COMPRESSORS: dict[tuple[int, int], list[Any]] = {}
+#: idle compressors kept per level: single-threaded ones (a few hundred KiB each) and multi-threaded ones (an idle
+#: one keeps its zstd worker and job buffers: about 13-20 MiB after a 12.8 MB frame); more concurrent encodes make
+#: their own and free them after
+MAX_IDLE_COMPRESSORS = 8
+MAX_IDLE_MT_COMPRESSORS = 2
 
 
-def _return_compressor(level: int, c: Any) -> None:
-    """Put ``c`` (from :func:`_compressor`) back as this thread's compressor for ``level``."""
-    _COMPRESSORS.by_level[level] = c
+def _compressor(level: int, threads: int) -> Any:
+    """Take an idle ``ZstdCompressor`` for ``level`` with ``threads`` zstd worker threads (content size written,
+    no zstd checksum), making one when none is idle; give it back with :func:`_return_compressor` once its frame
+    is done. Building one costs about as much as compressing a small artifact, and a new multi-threaded one
+    faults in fresh job buffers (about 15 % of a 12.8 MB encode). A compressor serves one frame at a time:
+    python-zstandard's objects are not for concurrent use, and a second ``compressobj`` on the same compressor
+    silently corrupts the first, unfinished frame. Taken out while in use, a compressor is never shared: not
+    across threads, nor by an encode re-entered in the same thread (a signal handler or finalizer that encodes
+    gets another one). Reuse does not change the frame: every ``compressobj`` starts a fresh frame, also after
+    one was abandoned mid-way (validation failure) or failed.
+
+    Process-wide, not per thread, because of fork: a multi-threaded compressor owns zstd worker threads that a
+    forked child does not have, and freeing one there joins them, which waits forever. The child's interpreter
+    frees other threads' thread-local data right after the fork, so a per-thread cache would hang every child
+    of a process whose pool threads had encoded; this cache is instead emptied in the child without freeing
+    (:func:`_after_fork_in_child`)."""
+    idle = _IDLE_COMPRESSORS.get((level, threads))
+    if idle:
+        try:
+            return idle.pop()
+        except IndexError:  # another thread took the last one meanwhile
+            pass
+    return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False, threads=threads)
+
+
+def _return_compressor(level: int, threads: int, c: Any, pid: int) -> None:
+    """Give ``c`` (taken by :func:`_compressor` in process ``pid``) back; kept alive, never freed, when this is no
+    longer that process (a fork from inside an encode)."""
+    if pid != os.getpid():
+        _leak([c])
+        return
+    idle = _IDLE_COMPRESSORS.setdefault((level, threads), [])
+    if len(idle) < (MAX_IDLE_COMPRESSORS if threads == 0 else MAX_IDLE_MT_COMPRESSORS):
+        idle.append(c)
+
+
+def _leak(objs: list[Any]) -> None:
+    """Keep ``objs`` alive until this process ends, interpreter shutdown included: each gets one reference that
+    nothing owns (CPython's ``Py_IncRef``). For compressors inherited over a fork, whose freeing would wait
+    forever for zstd worker threads that exist only in the parent."""
+    if objs:
+        import ctypes
+
+        for o in objs:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
 
 
 def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: Any) -> tuple[bytes, str]:
     """``(prelude + zstd frame of the body, SHA-256 hex of those bytes)``, after ``validate()`` returned; the body
     is ``pieces`` (``size`` bytes, see :func:`_frame_pieces`).
 
-    Each output piece of the streamed compression is hashed as soon as zstd emits it, in the same thread, while
-    it is still in the CPU cache: on this project's box that makes compress + hash *faster* than a one-shot
-    compression followed by a hash of the frame (``benchmarks/bench_encode.py``; a second thread hashing was
-    slower: hand-offs and cross-core cache traffic). For bodies of at least :data:`PARALLEL_ENCODE_BYTES` the
-    content validation (numpy reductions, which release the GIL) runs in a helper thread meanwhile. The frame is
-    the same whatever runs where. ``validate`` raising stops the compression at its next piece and re-raises:
-    nothing is returned, and no thread is left using the inputs."""
-    cctx = _compressor(level)
+    Bodies of more than 512 KiB are compressed by libzstd's worker thread(s) (:data:`ENCODE_THREADS`), while this
+    thread copies the input in, hashes each output piece as it arrives, appends it to the object, and — once
+    all input is in — runs ``validate()`` (the content readers' checks) while the workers finish the last jobs.
+    Compression and hashing therefore overlap: on this project's 2-core box encode + SHA-256 is faster than one
+    single-threaded zstd call followed by a hash of its frame (``benchmarks/bench_encode.py``). Smaller bodies
+    are compressed in this thread with a single-threaded compressor, which writes the same frame (libzstd does
+    not start workers for them, :data:`ZSTDMT_JOBSIZE_MIN`). ``validate`` raising drops the frame: nothing is
+    returned, and no zstd worker is left reading the inputs (input is copied into zstd's own job buffers)."""
+    threads = 0 if size <= ZSTDMT_JOBSIZE_MIN else ENCODE_THREADS
+    pid = os.getpid()
+    cctx = _compressor(level, threads)
     try:
         return _compress_and_hash_with(cctx, pieces, size, validate)
     finally:
-        _return_compressor(level, cctx)
+        _return_compressor(level, threads, cctx, pid)
 
 
 def _compress_and_hash_with(cctx: Any, pieces: Sequence[Any], size: int, validate: Any) -> tuple[bytes, str]:
     """:func:`_compress_and_hash` with the compressor ``cctx`` (in this thread's sole use until it returns)."""
-    prelude = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD)
-    parts = [prelude]
-    h = hashlib.sha256(prelude)
-
-    def emit(piece: bytes) -> None:
-        h.update(piece)
-        parts.append(piece)
-
-    if size < PARALLEL_ENCODE_BYTES:
-        validate()
-        _frame_pieces(cctx, pieces, size, emit)
-        return b"".join(parts), h.hexdigest()
-    validating = _hash_pool().submit(validate)
-    try:
-        _frame_pieces(cctx, pieces, size, emit, lambda: validating.done() and validating.exception() is not None)
-    finally:
-        validating.exception()  # wait for it, whatever happened here: no thread is left using the inputs
-    validating.result()  # re-raises the validation error: the frame is dropped
-    return b"".join(parts), h.hexdigest()
+    sink = _HashingSink(PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD))
+    w = _frame_pieces(cctx, pieces, size, sink)
+    validate()
+    w.flush(zstandard.FLUSH_FRAME)
+    return sink.object.getvalue(), sink.hash.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------- reader
@@ -525,10 +559,16 @@ def _usable_cpus() -> int:
 #: Only with more than two usable CPUs: on a 2-core box shared with an engine the helper thread finds no free
 #: core and the hand-off costs more than it saves (measured, ``benchmarks/bench_decode.py``).
 PARALLEL_HASH_BYTES = 1 << 20 if _usable_cpus() > 2 else 1 << 62
-#: bodies at least this large (bytes) are encoded with the content validation in a helper thread while this thread
-#: compresses and hashes (:func:`_compress_and_hash`); smaller ones inline (the hand-off costs more than it saves).
-PARALLEL_ENCODE_BYTES = 1 << 20
-#: input bytes fed to zstd's streaming compressor per call: part of the frame definition (:func:`_frame_pieces`)
+#: zstd worker threads of the encoder's compressor (``ZSTD_c_nbWorkers``): one on a box of two CPUs or fewer (it
+#: compresses while the encoding thread hashes), else half the usable CPUs, at most four. Not part of the format:
+#: libzstd's multi-threaded streaming output is the same for every worker count >= 1 ("the multi-threaded output
+#: is the same for any number of threads", facebook/zstd#2238), pinned by ``core/tests/test_format.py``.
+ENCODE_THREADS = max(1, min(4, _usable_cpus() // 2))
+#: libzstd compresses frames whose pledged size is at most this (``ZSTDMT_JOBSIZE_MIN`` of libzstd's
+#: ``zstdmt_compress.h``, 512 KiB) in the calling thread even when workers are configured: such bodies are encoded
+#: with a cached single-threaded compressor, which writes the very same frame
+ZSTDMT_JOBSIZE_MIN = 512 << 10
+#: input bytes fed to zstd's streaming compressor per call (:func:`_frame_pieces`); the frame does not depend on it
 ENCODE_CHUNK_BYTES = 1 << 20
 _HASH_POOL: Any = None
 _HASH_POOL_LOCK = threading.Lock()
@@ -543,7 +583,16 @@ def _reset_hash_pool() -> None:
     _HASH_POOL_LOCK = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_reset_hash_pool)
+def _after_fork_in_child() -> None:
+    """In a forked child: a new helper pool (:func:`_reset_hash_pool`), and the parent's idle compressors
+    dropped from the cache without being freed (:func:`_leak`; see :func:`_compressor`)."""
+    _reset_hash_pool()
+    inherited = [c for idle in _IDLE_COMPRESSORS.values() for c in idle]
+    _leak(inherited)
+    _IDLE_COMPRESSORS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _hash_async(data: bytes) -> Any:
@@ -557,7 +606,7 @@ def _hash_async(data: bytes) -> Any:
 
 
 def _hash_pool() -> Any:
-    """The process's helper threads for hashing/compression (two, created on first use, re-created after fork)."""
+    """The process's helper threads for hashing during decode (two, created on first use, re-created after fork)."""
     global _HASH_POOL
     with _HASH_POOL_LOCK:
         if _HASH_POOL is None:
