@@ -559,11 +559,13 @@ def _usable_cpus() -> int:
 #: Only with more than two usable CPUs: on a 2-core box shared with an engine the helper thread finds no free
 #: core and the hand-off costs more than it saves (measured, ``benchmarks/bench_decode.py``).
 PARALLEL_HASH_BYTES = 1 << 20 if _usable_cpus() > 2 else 1 << 62
-#: zstd worker threads of the encoder's compressor (``ZSTD_c_nbWorkers``): one on a box of two CPUs or fewer (it
-#: compresses while the encoding thread hashes), else half the usable CPUs, at most four. Not part of the format:
-#: libzstd's multi-threaded streaming output is the same for every worker count >= 1 ("the multi-threaded output
-#: is the same for any number of threads", facebook/zstd#2238), pinned by ``core/tests/test_format.py``.
-ENCODE_THREADS = max(1, min(4, _usable_cpus() // 2))
+#: zstd worker threads of the encoder's compressor for bodies over 512 KiB (``ZSTD_c_nbWorkers``): half the usable
+#: CPUs, at least two, at most four. Two beat one on this project's 2-core box (the encoding thread's hashing and
+#: copying leaves room: 1.09–1.14× against 1.06–1.08× of raw zstd-1 + SHA-256, ``benchmarks/bench_encode.py``);
+#: past four, level-1 jobs of 2 MiB leave workers idle on typical artifacts. Not part of the format: libzstd's
+#: multi-threaded streaming output is the same for every worker count >= 1 ("the multi-threaded output is the same
+#: for any number of threads", facebook/zstd#2238), pinned by ``core/tests/test_format.py``.
+ENCODE_THREADS = min(4, max(2, _usable_cpus() // 2))
 #: libzstd compresses frames whose pledged size is at most this (``ZSTDMT_JOBSIZE_MIN`` of libzstd's
 #: ``zstdmt_compress.h``, 512 KiB) in the calling thread even when workers are configured: such bodies are encoded
 #: with a cached single-threaded compressor, which writes the very same frame
