@@ -598,6 +598,9 @@ def test_an_encode_reentered_mid_frame_does_not_corrupt_the_outer_frame(monkeypa
         def __init__(self, sink):
             self.sink = sink
 
+        def check_process(self):
+            self.sink.check_process()
+
         def write(self, piece):
             n = self.sink.write(piece)
             if not inner:  # once, mid-frame (the first output piece of a multi-job body)

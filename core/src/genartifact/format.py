@@ -251,39 +251,60 @@ def _stored(a: np.ndarray, dt: np.dtype[Any], shape: Sequence[int]) -> np.ndarra
 def _frame_pieces(cctx: Any, pieces: Sequence[Any], size: int, sink: Any) -> Any:
     """Stream the body given as ``pieces`` (bytes-like, in order, ``size`` bytes in all) into a zstd frame with its
     content size declared (``ZSTD_compressStream2``: ``ZSTD_e_continue`` per input piece of at most
-    :data:`ENCODE_CHUNK_BYTES`), passing each output piece (at most 128 KiB, zstd's recommended output size) to
-    ``sink.write`` in order; returns the stream writer, whose ``flush(zstandard.FLUSH_FRAME)`` (``ZSTD_e_end``)
+    :data:`ENCODE_CHUNK_BYTES`), passing each output piece (about 128 KiB, ``ZSTD_CStreamOutSize``) to
+    ``sink.write`` in order (``sink.check_process()`` before each input chunk); returns the stream writer, whose ``flush(zstandard.FLUSH_FRAME)`` (``ZSTD_e_end``)
     writes the frame's last pieces. Ending with a separate ``ZSTD_e_end`` call, never with a single ``ZSTD_e_end``
     call holding all input, keeps libzstd off its one-pass shortcut, which does not follow the multi-threaded
     streaming output (facebook/zstd#2327). With ``cctx`` from :func:`_compressor` the frame does not depend on how
     the body is split into pieces, nor on the number of worker threads (pinned by ``core/tests/test_format.py``):
     it is the frame that ``docs/format.md`` defines."""
     w = cctx.stream_writer(sink, size=size, closefd=False)
-    for piece in pieces:
-        mv = memoryview(piece)
-        for i in range(0, len(mv), ENCODE_CHUNK_BYTES):
-            w.write(mv[i : i + ENCODE_CHUNK_BYTES])
+    try:
+        for piece in pieces:
+            mv = memoryview(piece)
+            for i in range(0, len(mv), ENCODE_CHUNK_BYTES):
+                sink.check_process()
+                w.write(mv[i : i + ENCODE_CHUNK_BYTES])
+    except BaseException:
+        # a traceback kept by the caller must not keep the compressor alive (see _compress_and_hash)
+        cctx = w = None
+        raise
     return w
 
 
 class _HashingSink:
     """Where the frame's output pieces go (:func:`_frame_pieces`): each is hashed (SHA-256, after the prelude)
     and appended to the object while it is still in the CPU cache. ``io.BytesIO.getvalue()`` hands over its
-    buffer without a copy."""
+    buffer without a copy.
 
-    def __init__(self, prelude: bytes) -> None:
+    ``pid``: the process that started the frame. A process forked from inside this frame (by code that runs during
+    it: a validator, a signal handler, a finalizer) has the compressor but not its zstd worker threads; going on
+    with the frame there would wait forever for them, so :meth:`check_process` (called before each input chunk,
+    each output piece and the frame's end) raises ``RuntimeError`` in such a child instead."""
+
+    def __init__(self, prelude: bytes, pid: int | None = None) -> None:
+        self.pid = os.getpid() if pid is None else pid
         self.hash = hashlib.sha256(prelude)
         self.object = io.BytesIO()
         self.object.write(prelude)
 
+    def check_process(self) -> None:
+        """Raise ``RuntimeError`` when this is not the process that started the frame (see the class)."""
+        if os.getpid() != self.pid:
+            raise RuntimeError("genartifact encode: this process was forked in the middle of a zstd frame; "
+                               "the frame cannot be finished here (its zstd worker threads stayed in the parent)")
+
     def write(self, piece: Any) -> int:
+        self.check_process()
         self.hash.update(piece)
         return self.object.write(piece)
 
 
-#: idle compressors of this process by ``(level, zstd worker threads)``; taking one and giving it back are single
-#: ``list`` operations (atomic under the GIL): no lock that a fork could leave held
+#: idle compressors of this process by ``(level, zstd worker threads)``, guarded by :data:`_IDLE_LOCK`
 _IDLE_COMPRESSORS: dict[tuple[int, int], list[Any]] = {}
+#: held only around a ``list`` pop or bounded append (no allocation of a compressor, no call out); made anew in a
+#: forked child (:func:`_after_fork_in_child`), where a fork from another thread may have left it held
+_IDLE_LOCK = threading.Lock()
 #: idle compressors kept per level: single-threaded ones (a few hundred KiB each) and multi-threaded ones (an idle
 #: one keeps its zstd worker and job buffers: about 13-20 MiB after a 12.8 MB frame); more concurrent encodes make
 #: their own and free them after
@@ -299,32 +320,30 @@ def _compressor(level: int, threads: int) -> Any:
     python-zstandard's objects are not for concurrent use, and a second ``compressobj`` on the same compressor
     silently corrupts the first, unfinished frame. Taken out while in use, a compressor is never shared: not
     across threads, nor by an encode re-entered in the same thread (a signal handler or finalizer that encodes
-    gets another one). Reuse does not change the frame: every ``compressobj`` starts a fresh frame, also after
-    one was abandoned mid-way (validation failure) or failed.
+    gets another one). Reuse does not change the frame: every frame starts fresh. Only compressors whose last
+    frame was finished come back; one whose frame was abandoned is dropped (:func:`_compress_and_hash`).
 
     Process-wide, not per thread, because of fork: a multi-threaded compressor owns zstd worker threads that a
     forked child does not have, and freeing one there joins them, which waits forever. The child's interpreter
     frees other threads' thread-local data right after the fork, so a per-thread cache would hang every child
     of a process whose pool threads had encoded; this cache is instead emptied in the child without freeing
     (:func:`_after_fork_in_child`)."""
-    idle = _IDLE_COMPRESSORS.get((level, threads))
-    if idle:
-        try:
+    with _IDLE_LOCK:
+        idle = _IDLE_COMPRESSORS.get((level, threads))
+        if idle:
             return idle.pop()
-        except IndexError:  # another thread took the last one meanwhile
-            pass
     return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False, threads=threads)
 
 
-def _return_compressor(level: int, threads: int, c: Any, pid: int) -> None:
-    """Give ``c`` (taken by :func:`_compressor` in process ``pid``) back; kept alive, never freed, when this is no
-    longer that process (a fork from inside an encode)."""
-    if pid != os.getpid():
-        _leak([c])
-        return
-    idle = _IDLE_COMPRESSORS.setdefault((level, threads), [])
-    if len(idle) < (MAX_IDLE_COMPRESSORS if threads == 0 else MAX_IDLE_MT_COMPRESSORS):
-        idle.append(c)
+def _return_compressor(level: int, threads: int, c: Any) -> None:
+    """Give ``c`` (taken by :func:`_compressor`, its last frame finished) back to the idle cache, or let it be freed
+    when :data:`MAX_IDLE_COMPRESSORS` / :data:`MAX_IDLE_MT_COMPRESSORS` of its kind are already idle."""
+    with _IDLE_LOCK:
+        idle = _IDLE_COMPRESSORS.setdefault((level, threads), [])
+        if len(idle) < (MAX_IDLE_COMPRESSORS if threads == 0 else MAX_IDLE_MT_COMPRESSORS):
+            idle.append(c)
+            return
+    # freed here, outside the lock: freeing a multi-threaded one joins its zstd workers
 
 
 def _leak(objs: list[Any]) -> None:
@@ -354,17 +373,35 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
     pid = os.getpid()
     cctx = _compressor(level, threads)
     try:
-        return _compress_and_hash_with(cctx, pieces, size, validate)
-    finally:
-        _return_compressor(level, threads, cctx, pid)
+        out = _compress_and_hash_with(cctx, pieces, size, validate, pid)
+    except BaseException:
+        # An abandoned frame's compressor is never reused: libzstd's multi-threaded context, abandoned after some
+        # but not all input (an error in a sink write or an input chunk), crashes (SIGSEGV) in the next frame's
+        # first call. It is dropped here, in this frame, not by whoever keeps the traceback: freed now when this
+        # is still the process that took it (its zstd workers are joined), kept alive forever in a process forked
+        # mid-frame (freeing it there would wait for workers that stayed in the parent).
+        if pid != os.getpid():
+            _leak([cctx])
+        cctx = None
+        raise
+    _return_compressor(level, threads, cctx)
+    return out
 
 
-def _compress_and_hash_with(cctx: Any, pieces: Sequence[Any], size: int, validate: Any) -> tuple[bytes, str]:
-    """:func:`_compress_and_hash` with the compressor ``cctx`` (in this thread's sole use until it returns)."""
-    sink = _HashingSink(PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD))
-    w = _frame_pieces(cctx, pieces, size, sink)
-    validate()
-    w.flush(zstandard.FLUSH_FRAME)
+def _compress_and_hash_with(cctx: Any, pieces: Sequence[Any], size: int, validate: Any,
+                            pid: int | None = None) -> tuple[bytes, str]:
+    """:func:`_compress_and_hash` with the compressor ``cctx`` (in this thread's sole use until it returns), for a
+    frame started in process ``pid`` (default: this one)."""
+    sink = _HashingSink(PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD), pid)
+    w = None
+    try:
+        w = _frame_pieces(cctx, pieces, size, sink)
+        validate()
+        sink.check_process()
+        w.flush(zstandard.FLUSH_FRAME)
+    except BaseException:
+        cctx = w = None  # see _compress_and_hash: the traceback must not own the compressor
+        raise
     return sink.object.getvalue(), sink.hash.hexdigest()
 
 
@@ -588,7 +625,9 @@ def _reset_hash_pool() -> None:
 def _after_fork_in_child() -> None:
     """In a forked child: a new helper pool (:func:`_reset_hash_pool`), and the parent's idle compressors
     dropped from the cache without being freed (:func:`_leak`; see :func:`_compressor`)."""
+    global _IDLE_LOCK
     _reset_hash_pool()
+    _IDLE_LOCK = threading.Lock()
     inherited = [c for idle in _IDLE_COMPRESSORS.values() for c in idle]
     _leak(inherited)
     _IDLE_COMPRESSORS.clear()
