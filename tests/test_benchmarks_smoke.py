@@ -33,6 +33,7 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_fpm_fit.py": (True, r"^decode .* run B off-grid: "),
     "bench_fuzz_reader.py": (False, r"^\d+ cases in .* s, 0 failures, peak RSS"),
     "bench_groups.py": (False, r"^RATIO stored bytes with / without dedup: \d"),
+    "bench_local_write.py": (False, r"^RATIO local write CPU per object, named / unnamed: median-of-rounds \d"),
     "bench_load.py": (False, r"^RATIO loaders / bare s3fs .*median-of-rounds \d"),
     "bench_per_step_deltas.py": (True, r"^RATIO per-step / final-only tokens/s: median-of-rounds \d"),
     "bench_replicas.py": (True, r"^RATIO rows/s x2 / x1: \d"),

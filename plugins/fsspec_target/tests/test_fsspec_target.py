@@ -24,6 +24,19 @@ def mem_root():
         fs.rm(root, recursive=True)
 
 
+@pytest.fixture(params=["unnamed", "named"])
+def write_path(request, monkeypatch):
+    """Both ways a file:// object is written: unnamed (``O_TMPFILE`` + ``linkat``, the default on Linux) and the
+    named-temp fallback for filesystems without ``O_TMPFILE`` (forced here by hiding the flag)."""
+    import genartifact_fsspec_target as ft
+
+    if request.param == "named":
+        monkeypatch.setattr(ft, "_O_TMPFILE", 0)
+    else:
+        assert ft._O_TMPFILE, "this Linux box has O_TMPFILE"
+    return request.param
+
+
 def target(tmp_path, mem_root="/fs-target-tests-unused", **extra):
     return ManagedFsspecTarget(parse_profiles({"profiles": {
         "disk": {"url": f"file://{tmp_path}", "allowed_prefixes": ["runs/", "other/x"], **extra},
@@ -86,7 +99,7 @@ def test_storage_options_never_in_repr(tmp_path):
 
 
 @pytest.mark.fault("managed", "second write to a file:// key")
-def test_local_create_only_atomic_no_temp_left(tmp_path):
+def test_local_create_only_atomic_no_temp_left(write_path, tmp_path):
     t = target(tmp_path)
     v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
     assert asyncio.run(t.deliver(v, b"first", "x")) == "disk:runs/a/b.gart"
@@ -101,7 +114,7 @@ def test_local_create_only_atomic_no_temp_left(tmp_path):
 
 
 @pytest.mark.fault("managed", "write failing half-way (file://)")
-def test_local_write_failure_leaves_nothing(tmp_path):
+def test_local_write_failure_leaves_nothing(write_path, tmp_path):
     t = target(tmp_path)
     (tmp_path / "runs").write_text("a file where a directory is needed")
     v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a.gart"})
@@ -110,7 +123,7 @@ def test_local_write_failure_leaves_nothing(tmp_path):
     assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
 
 
-def test_local_write_syncs_the_file_then_the_directory_after_publishing(tmp_path, monkeypatch):
+def test_local_write_syncs_the_file_then_the_directory_after_publishing(write_path, tmp_path, monkeypatch):
     """The receipt must not outrun the disk: the object's bytes are fsynced before the link, and the directory
     (holding the new name) after it, so a power loss right after ``ready`` cannot lose the key. Directories made
     for the key have their own names synced too (each new directory's parent); existing ones are not synced."""
@@ -126,9 +139,9 @@ def test_local_write_syncs_the_file_then_the_directory_after_publishing(tmp_path
             events.append("fsync_file")
         return real_fsync(fd)
 
-    def link(src, dst):
+    def link(src, dst, **kw):
         events.append("link")
-        return real_link(src, dst)
+        return real_link(src, dst, **kw)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "link", link)
@@ -151,7 +164,7 @@ def test_local_write_syncs_the_file_then_the_directory_after_publishing(tmp_path
     pytest.param("runs", id="new-parent",
                  marks=pytest.mark.fault("managed", "new parent directory's sync failing after the publish (file://)")),
 ])
-def test_local_directory_sync_failure_leaves_no_key(tmp_path, monkeypatch, failing):
+def test_local_directory_sync_failure_leaves_no_key(write_path, tmp_path, monkeypatch, failing):
     """A directory sync after the publish fails (EIO): the key's own directory (every directory sync fails), or
     only a directory made for the key (``runs``, synced through its parent while the key's directory syncs). No
     receipt, so no key either, and no temp file."""
@@ -173,6 +186,100 @@ def test_local_directory_sync_failure_leaves_no_key(tmp_path, monkeypatch, faili
         asyncio.run(t.deliver(v, b"bytes", "x"))
     assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
     assert os.listdir(tmp_path / "runs/a") == []
+
+
+@pytest.mark.fault("managed", "file:// object read while being written; writer killed -9 mid-write")
+def test_local_write_never_shows_a_partial_object_and_leaves_nothing_after_kill_9(write_path, tmp_path):
+    """A writer process stopped in the middle of writing a 4 MiB object, then killed with SIGKILL: while it is
+    stopped the key does not exist (a reader never sees a partial object); afterwards the unnamed path leaves
+    nothing at all (the kernel frees an unnamed file with its last descriptor), the named fallback at most its
+    hidden temp file, which ``leftovers`` lists."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import asyncio, os, signal, sys
+from pathlib import Path
+import genartifact_fsspec_target as ft
+if {write_path == "named"!r}:
+    ft._O_TMPFILE = 0
+real_write = os.write
+def write(fd, data):
+    n = real_write(fd, data[: len(data) // 2])  # half the object is on disk ...
+    print("half", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # ... when the test looks, then kills this process
+    return n
+os.write = write
+ft._write_local_create_only(Path({str(tmp_path)!r}) / "runs/a/b.gart", b"x" * (4 << 20))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "half"
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{proc.pid}/stat").read().split(") ")[1][0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        names = os.listdir(tmp_path / "runs/a")
+        if write_path == "unnamed":
+            assert names == []  # not even a temp name
+        else:
+            assert len(names) == 1 and names[0].startswith(".genartifact-tmp-")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    left = os.listdir(tmp_path / "runs/a")
+    if write_path == "unnamed":
+        assert left == []
+    else:
+        assert len(left) == 1 and left[0].startswith(".genartifact-tmp-")
+        os.utime(tmp_path / "runs/a" / left[0], (1, 1))
+        found = asyncio.run(target(tmp_path).leftovers(older_than_s=60))
+        assert [f["path"] for f in found] == [str(tmp_path / "runs/a" / left[0])]
+
+
+@pytest.mark.parametrize("err", ["EOPNOTSUPP", "EISDIR", "EINVAL"])
+@pytest.mark.fault("managed", "filesystem without O_TMPFILE (file://)")
+def test_local_write_falls_back_to_a_named_temp_when_the_filesystem_has_no_o_tmpfile(tmp_path, monkeypatch, err):
+    """``open(dir, O_TMPFILE)`` refused the way a filesystem or kernel without it refuses (``open(2)``): the object
+    is still written create-only, through a named temp file that is gone afterwards; other open errors (EACCES)
+    are delivery failures, not fallbacks."""
+    import errno
+
+    import genartifact_fsspec_target as ft
+
+    real_open = os.open
+    opened = []
+
+    def fake_open(path, flags, *a, **kw):
+        if flags & ft._O_TMPFILE == ft._O_TMPFILE:
+            opened.append("tmpfile")
+            raise OSError(getattr(errno, err), os.strerror(getattr(errno, err)))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    t = target(tmp_path)
+    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
+    assert asyncio.run(t.deliver(v, b"payload", "x")) == "disk:runs/a/b.gart"
+    assert opened == ["tmpfile"]
+    assert (tmp_path / "runs/a/b.gart").read_bytes() == b"payload"
+    assert os.listdir(tmp_path / "runs/a") == ["b.gart"]
+    with pytest.raises(DeliveryError) as e:
+        asyncio.run(t.deliver(v, b"again", "x"))
+    assert e.value.code == "object_exists"
+
+    def denied(path, flags, *a, **kw):
+        if flags & ft._O_TMPFILE == ft._O_TMPFILE:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", denied)
+    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/c.gart"})
+    with pytest.raises(DeliveryError) as e:
+        asyncio.run(t.deliver(v, b"payload", "x"))
+    assert e.value.code == "delivery_failed"
+    assert os.listdir(tmp_path / "runs/a") == ["b.gart"]
 
 
 @pytest.mark.fault("managed", "second write to a memory:// key")

@@ -20,9 +20,10 @@ merged over the config's profiles.
 Request target: ``{"kind": "managed_fsspec", "profile": "local", "object_key": "runs/x/0001.gart"}``.
 Receipt object id: ``"<profile>:<object_key>"``.
 
-Create-only and all-or-nothing: local files are written to a hidden temp file (``.genartifact-tmp-*``) in
-the destination directory and published with ``os.link`` (atomic, fails if the key exists); a crash can leave
-such a temp file, which ``genartifact reconcile`` lists and removes (:meth:`ManagedFsspecTarget.leftovers`).
+Create-only and all-or-nothing: local files are written unnamed (``O_TMPFILE``) in the destination directory
+and published with ``linkat`` (atomic, fails if the key exists), so a crash leaves nothing; on a filesystem
+without ``O_TMPFILE`` a hidden temp file (``.genartifact-tmp-*``) is written and linked instead, and a crash can
+leave that one, which ``genartifact reconcile`` lists and removes (:meth:`ManagedFsspecTarget.leftovers`).
 ``memory://`` (one process's in-memory store) is made create-only atomic by a process-wide lock around the
 existence check and the write (the store is only visible inside the process, so the lock covers every writer).
 S3 (``s3://``, ``s3a://``) goes through one aiobotocore client per profile and event loop (created on first use,
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import hashlib
 import json
 import math
@@ -348,13 +350,29 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
+#: ``open(2)`` flag for an unnamed file in a directory (Linux >= 3.11); 0 where the platform has none
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0)
+#: errnos of ``open(dir, O_TMPFILE)`` on a filesystem or kernel without it (``open(2)``: EOPNOTSUPP from the
+#: filesystem, EISDIR from kernels older than O_TMPFILE, which see a directory opened for writing) and of
+#: ``linkat`` through ``/proc/self/fd`` where ``/proc`` is not mounted (ENOENT): each falls back to a named temp
+_NO_TMPFILE_ERRNOS = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT})
+
+
 def _write_local_create_only(dest: Path, data: bytes) -> None:
-    """Temp file in the destination directory, fsync, ``os.link`` to the key (atomic; EEXIST if taken), unlink
-    the temp, fsync the directory (so the key's directory entry is on disk before the receipt says ``ready``:
-    a file's fsync does not make a *later* link durable). Any OSError (ENOSPC, EDQUOT, EACCES, EIO...) leaves
-    neither the key nor the temp file behind. Directories the key needed that did not exist yet (``a/b/`` of a
-    key ``a/b/c``) are made, and each one's own entry synced too (its parent directory fsynced): a key under a
-    new directory is durable only once that directory's name is."""
+    """Write ``data`` (bytes) to the new file ``dest``, create-only and all-or-nothing; raises
+    :class:`DeliveryError` (``object_exists`` when ``dest`` exists, else ``delivery_failed``).
+
+    The bytes go to an unnamed file in ``dest``'s directory (``O_TMPFILE``), which is fsynced and then given its
+    name with ``linkat`` (atomic; EEXIST if the key is taken; the ``/proc/self/fd`` form of ``open(2)``'s
+    example). No reader ever sees a partial object, and a crash (kill -9, power loss) at any point leaves nothing
+    behind: an unnamed file is freed by the kernel with its last descriptor. Where the filesystem has no
+    ``O_TMPFILE`` (:data:`_NO_TMPFILE_ERRNOS`) a hidden named temp file (``.genartifact-tmp-*``) is written and
+    linked instead; a crash can leave that one, which ``genartifact reconcile`` lists and removes. Either way the
+    directory is fsynced after the link (a file's fsync does not make a *later* link durable) before the receipt
+    can say ``ready``. Any OSError (ENOSPC, EDQUOT, EACCES, EIO...) leaves neither the key nor a temp file.
+    Directories the key needed that did not exist yet (``a/b/`` of a key ``a/b/c``) are made, and each one's own
+    entry synced too (its parent directory fsynced): a key under a new directory is durable only once that
+    directory's name is. New objects get mode ``0o666`` less the process umask, like any created file."""
     try:
         new_dirs = []  # deepest first: the key's directories that are missing now (made below)
         d = dest.parent
@@ -362,37 +380,82 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
             new_dirs.append(d)
             d = d.parent
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=dest.parent)
+        dir_fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         log.warning("managed_write_failed", errno=e.errno)
         raise DeliveryError("managed artifact write failed") from None
     published = False
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; published objects follow the umask like any file
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, dest)  # atomic publish; EEXIST if the key exists
-        published = True
-        _unlink_quiet(tmp)
-        _fsync_dir(dest.parent)
-        for d in new_dirs:  # a new directory's name is an entry of its parent
-            _fsync_dir(d.parent)
+        published = _publish_unnamed(dir_fd, dest.name, data)
+        if not published:
+            _publish_named(dest, data)
+            published = True
+        os.fsync(dir_fd)
+        for nd in new_dirs:  # a new directory's name is an entry of its parent
+            _fsync_dir(nd.parent)
     except FileExistsError:
         raise DeliveryError("managed artifact object already exists", "object_exists") from None
     except OSError as e:
         log.warning("managed_write_failed", errno=e.errno)
         if published:  # the directory could not be synced: no receipt, so no object either
-            _unlink_quiet(str(dest))
+            _unlink_quiet(dest.name, dir_fd)
         raise DeliveryError("managed artifact write failed") from None
+    finally:
+        os.close(dir_fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``data`` to ``fd`` in full (``os.write`` may write less than asked), then fsync. Raises OSError."""
+    mv = memoryview(data)
+    while mv:
+        mv = mv[os.write(fd, mv):]
+    os.fsync(fd)
+
+
+def _publish_unnamed(dir_fd: int, name: str, data: bytes) -> bool:
+    """``data`` to an unnamed, fsynced file in directory ``dir_fd``, then linked as ``name``; ``False`` (nothing
+    written, nothing left) where the filesystem or system has no ``O_TMPFILE`` (:data:`_NO_TMPFILE_ERRNOS`).
+    Raises FileExistsError when ``name`` exists, OSError on other failures; the unnamed file never outlives
+    its descriptor."""
+    if not _O_TMPFILE:
+        return False
+    try:
+        fd = os.open(".", os.O_WRONLY | _O_TMPFILE, 0o666, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in _NO_TMPFILE_ERRNOS:
+            return False
+        raise
+    try:
+        _write_all(fd, data)
+        try:
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+        except FileNotFoundError:
+            if os.path.exists(f"/proc/self/fd/{fd}"):
+                raise  # the directory itself is gone
+            return False  # no /proc: the named fallback
+        return True
+    finally:
+        os.close(fd)
+
+
+def _publish_named(dest: Path, data: bytes) -> None:
+    """``data`` to a hidden temp file (``.genartifact-tmp-*``) beside ``dest``, fsynced, linked as ``dest``, the temp
+    name removed in all cases. Raises FileExistsError when ``dest`` exists, OSError on other failures."""
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=dest.parent)
+    try:
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; objects follow the umask like any new file
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+        os.link(tmp, dest)  # atomic publish; EEXIST if the key exists
     finally:
         _unlink_quiet(tmp)
 
 
-def _unlink_quiet(path: str) -> None:
+def _unlink_quiet(path: str, dir_fd: int | None = None) -> None:
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
     except OSError:
         pass
 

@@ -1,0 +1,75 @@
+"""CPU per ``file://`` delivery of the managed_fsspec target: the unnamed write (``O_TMPFILE`` + ``linkat``, the
+default on Linux) ÷ the named-temp fallback (``mkstemp``, link, unlink), same objects, same directory.
+
+    .venv/bin/python benchmarks/bench_local_write.py [--objects 400] [--kib 64] [--rounds 8]
+
+Each round writes ``--objects`` new objects of ``--kib`` KiB through ``_write_local_create_only`` on each side (in a
+rotating order, fresh directory per side and round, fsyncs included as in production) and records the process CPU
+time (user + system, ``time.process_time``) and wall time per object. CPU is the figure that matters for the
+engine's host: a delivery's fsync waits on the disk but leaves the CPU to the engine. Prints the median-of-rounds
+and paired ratios (> 1: the unnamed write costs less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--objects", type=int, default=400)
+    ap.add_argument("--kib", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--dir", default=None, help="parent directory for the objects (default: the system temp dir)")
+    add_smoke(ap)
+    args = ap.parse_args()
+    if args.smoke:
+        args.objects, args.kib, args.rounds = 5, 1, 1
+    import genartifact_fsspec_target as ft
+
+    if not ft._O_TMPFILE:
+        sys.exit("this platform has no O_TMPFILE: only the named path exists here")
+    data = os.urandom(args.kib << 10)
+    real = ft._O_TMPFILE
+    cpu: dict[str, list[float]] = {"unnamed": [], "named": []}
+    wall: dict[str, list[float]] = {"unnamed": [], "named": []}
+    root = Path(tempfile.mkdtemp(prefix="bench-local-write-", dir=args.dir))
+    try:
+        for r in range(args.rounds):
+            for side in rotation(["unnamed", "named"], r):
+                ft._O_TMPFILE = real if side == "unnamed" else 0
+                d = root / f"{side}-{r}"
+                d.mkdir()
+                ft._write_local_create_only(d / "warm", data)  # directory made, caches warm
+                c0, w0 = time.process_time(), time.perf_counter()
+                for i in range(args.objects):
+                    ft._write_local_create_only(d / f"{i:05d}.gart", data)
+                cpu[side].append((time.process_time() - c0) / args.objects)
+                wall[side].append((time.perf_counter() - w0) / args.objects)
+                left = sorted(p.name for p in d.iterdir() if p.name.startswith(ft.TEMP_PREFIX))
+                assert not left, f"{side}: temp files left: {left[:3]}"
+                shutil.rmtree(d)
+    finally:
+        ft._O_TMPFILE = real
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{args.objects} objects x {args.kib} KiB per side and round, {args.rounds} rounds; {load_line()}")
+    for side in ("unnamed", "named"):
+        print(side_line(f"{side} CPU/object", [v * 1e6 for v in cpu[side]], "us", higher_is_better=False))
+        print(side_line(f"{side} wall/object", [v * 1e6 for v in wall[side]], "us", higher_is_better=False))
+    print(ratio_line("local write CPU per object, named / unnamed", cpu["unnamed"], cpu["named"],
+                     higher_is_better=False))
+    print(ratio_line("local write wall per object, named / unnamed", wall["unnamed"], wall["named"],
+                     higher_is_better=False))
+
+
+if __name__ == "__main__":
+    main()
