@@ -56,6 +56,7 @@ bench: $(STAMP) $(MODEL)/model.safetensors $(SMALL)/model.safetensors demo
 	$(PY) benchmarks/bench_per_step_deltas.py --model $(MODEL)                        # 16
 	$(PY) benchmarks/bench_replicas.py --model $(MODEL) --rows 16 --max-tokens 16 --max-inflight 8
 	$(PY) benchmarks/bench_fpm_fit.py --model $(MODEL) --rounds 2                     # F1
+	$(PY) benchmarks/bench_route_recorder.py                                          # worker route recording per step
 	$(PY) benchmarks/bench_route_weights.py                                           # route weights: bytes per row
 	$(PY) benchmarks/profile_capture.py --model $(MODEL)                              # capture CPU per process (py-spy)
 

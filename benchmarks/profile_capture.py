@@ -103,7 +103,9 @@ async def main_async(args: argparse.Namespace) -> None:
     await bco.round_(eng, ids_list, 8, True, root)
     await bco.round_(eng, ids_list, 8, False, root)
     me = os.getpid()
-    spy_bin = shutil.which("py-spy")
+    # the venv's own py-spy (requirements-dev.txt) when the venv is not on PATH (`.venv/bin/python benchmarks/...`)
+    beside = Path(sys.executable).parent / "py-spy"
+    spy_bin = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
     cpu_per_ktok: dict[str, dict[str, float]] = {}
     try:
         for phase, on in (("on", True), ("off", False)):

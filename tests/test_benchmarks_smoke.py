@@ -37,6 +37,7 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_load.py": (False, r"^RATIO loaders / bare s3fs .*median-of-rounds \d"),
     "bench_per_step_deltas.py": (True, r"^RATIO per-step / final-only tokens/s: median-of-rounds \d"),
     "bench_replicas.py": (True, r"^RATIO rows/s x2 / x1: \d"),
+    "bench_route_recorder.py": (False, r"^RATIO route recording per step, per-layer copy / stash .*median-of-rounds \d"),
     "bench_route_weights.py": (False, r"^RATIO stored bytes routes\+weights bf16 / routes only .*: \d"),
     "bench_serve.py": (True, r"^RATIO serving with / without artifacts, tokens/s: median-of-rounds \d"),
     "bench_upload.py": (False, r"^RATIO managed_fsspec s3 / bare boto3 put .*median-of-rounds \d"),

@@ -138,3 +138,44 @@ def test_replay_check_receipts_line_nested_too_deeply_is_listed_not_raised(tmp_p
     out = _load_inputs([str(p)], None)
     assert [lab for lab, _ in out] == [f"{p}:1", f"{p}:2"]
     assert out[0][1] == "receipt is not JSON: nested too deeply"
+
+
+@pytest.mark.parametrize("dtype, tdtype, values", [
+    ("u1", "int64", [0, 7, 255]),  # vLLM's int64/int32 topk_ids into the u8 layout
+    ("<u2", "int32", [0, 256, 65535]),  # more than 256 experts: u16 layout
+    ("<f4", "float32", [0.0, 0.25, 1.5]),  # a recorder of router weights (genartifact-route-weights)
+])
+def test_recorder_torch_layers_stacked_at_step_end_with_padding(dtype, tdtype, values):
+    """The worker path: each layer's torch ``topk_ids`` kept by reference until the step's end, then stacked and
+    converted to the compact dtype at once; rows past the step's tokens (padding) dropped, in any layer."""
+    import torch
+
+    rec = RouteRecorder(router_ids=(0, 2, 5), top_k=3, dtype=np.dtype(dtype), max_positions=100)
+    rec.begin_step([("A", 0, 2), (None, 0, 1), ("B", 7, 1)])
+    assert rec.recording
+    layers = {}
+    for lid in (5, 0, 2):  # any call order
+        t = torch.tensor([[values[(lid + r + j) % 3] for j in range(3)] for r in range(6)], dtype=getattr(torch, tdtype))
+        layers[lid] = t[: 4 + (lid == 2) * 2]  # 4 tokens in the step; layer 2 carries two padding rows
+        rec.on_layer(lid, layers[lid])
+    rec.on_layer(9, torch.zeros((4, 3), dtype=getattr(torch, tdtype)))  # not a router of this layout: ignored
+    rec.end_step()
+    assert not rec.recording
+    a = rec.fetch("A", 0, 2)
+    arr = np.frombuffer(a["data"], np.dtype(dtype)).reshape(a["shape"])
+    assert a["missing"] is None and arr.shape == (3, 2, 3)
+    for i, lid in enumerate((0, 2, 5)):
+        assert arr[i].tolist() == layers[lid][:2].tolist()
+    b = rec.fetch("B", 7, 8)
+    barr = np.frombuffer(b["data"], np.dtype(dtype)).reshape(b["shape"])
+    assert [barr[i, 0].tolist() for i in range(3)] == [layers[lid][3].tolist() for lid in (0, 2, 5)]
+
+
+def test_recorder_torch_missing_layer_leaves_positions_unfilled():
+    import torch
+
+    rec = make_recorder()
+    rec.begin_step([("A", 0, 2)])
+    rec.on_layer(1, torch.ones((2, 2), dtype=torch.int64))
+    rec.end_step()  # router 3 never called back: nothing stacked, the positions stay unfilled
+    assert rec.fetch("A", 0, 2)["missing"] == [0, 2] and rec.steps == 0

@@ -2,8 +2,13 @@
 
 Rows are attributed by *absolute token position*: a step is described by segments
 ``(capture_id, start_position, num_tokens)`` in the order the tokens were flattened into the forward
-batch. Each MoE layer's ``topk_ids [num_tokens_in_step, top_k]`` is copied (as the compact dtype) into a
-step buffer; at step end each segment is scattered into its request's buffer ``[routers, positions, top_k]``.
+batch. Each MoE layer's ``topk_ids [num_tokens_in_step, top_k]`` is kept by reference during the forward (no
+copy, no device sync per layer); at step end the layers are stacked and converted to the compact dtype in one
+operation each (one device-to-host copy on a GPU) and each segment is scattered into its request's buffer
+``[routers, positions, top_k]``. This relies on the router not writing into ``topk_ids`` after handing them to
+its capture callback: true in vLLM 0.32, whose EPLB mapping and index-dtype conversion after the callback are
+out of place (``BaseRouter._select_experts``); the route tests compare every row with an independent
+transformers forward, so a router that did would be caught there.
 Chunked prefill, mixed batches and preemption/recompute are all handled by positions (a recomputed
 position simply overwrites the same row). A per-position ``filled`` mask proves completeness at fetch.
 """
@@ -15,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+#: numpy dtype string -> torch dtype of the recorder's compact buffer (filled on first use; torch imported lazily)
+_TORCH_DTYPES: dict[str, Any] = {}
 
 
 @dataclass
@@ -51,8 +59,9 @@ class RouteRecorder:
     max_positions: int
     reqs: dict[str, _Req] = field(default_factory=dict)
     _segments: list[tuple[str, int, int, int]] = field(default_factory=list)
-    _step: np.ndarray | None = None
-    _seen: set[int] = field(default_factory=set)
+    #: the step's per-router ``topk_ids`` (as handed to :meth:`on_layer`; None until seen), or None when the step
+    #: has no flagged request
+    _stash: list[Any] | None = None
     steps: int = 0
     recomputed_positions: int = 0  # positions written again (preemption + recompute)
 
@@ -69,38 +78,50 @@ class RouteRecorder:
                 self._segments.append((cid, start, n, off))
             off += n
         self._total = off
-        self._step = np.zeros((len(self.router_ids), off, self.top_k), self.dtype) if self._segments else None
-        self._seen = set()
+        self._stash = [None] * len(self.router_ids) if self._segments else None
+
+    @property
+    def recording(self) -> bool:
+        """True between :meth:`begin_step` and :meth:`end_step` of a step with at least one flagged request."""
+        return self._stash is not None
 
     def on_layer(self, layer_id: int, topk_ids: Any) -> None:
-        """Record one MoE layer's ``topk_ids`` (``[>= tokens_in_step, top_k]`` numpy array or CPU torch
-        tensor of any integer dtype; padding rows beyond the step's tokens are ignored). Torch tensors are
-        converted by one ``copy_`` straight into the compact step buffer."""
-        if self._step is None:
+        """Record one MoE layer's ``topk_ids``: ``[>= tokens_in_step, top_k]``, a numpy array or a torch tensor
+        (any device) of any integer dtype (or float, for a recorder of weights); rows beyond the step's tokens
+        (padding) are ignored. Kept by reference until :meth:`end_step`, which converts all layers at once: the
+        caller must not write into it before then."""
+        if self._stash is None:
             return
         i = self._index.get(layer_id)
-        if i is None:
-            return
-        src = topk_ids[: self._total]
-        if isinstance(src, np.ndarray):
-            self._step[i] = src
-        else:
-            import torch
+        if i is not None:
+            self._stash[i] = topk_ids
 
-            torch.from_numpy(self._step[i]).copy_(src)
-        self._seen.add(i)
+    def _step_rows(self, stash: list[Any]) -> np.ndarray:
+        """The step's rows ``[routers, tokens_in_step, top_k]`` in the recorder's dtype, from the layers' arrays:
+        one stack and one conversion (and one device-to-host copy for device tensors)."""
+        total = self._total
+        if any(a.shape[0] != total for a in stash):
+            stash = [a[:total] for a in stash]
+        if isinstance(stash[0], np.ndarray):
+            return np.stack(stash).astype(self.dtype, copy=False)
+        import torch
+
+        tdt = _TORCH_DTYPES.get(self.dtype.str)
+        if tdt is None:
+            tdt = _TORCH_DTYPES[self.dtype.str] = torch.from_numpy(np.empty(0, self.dtype)).dtype
+        return torch.stack(stash).detach().to(device="cpu", dtype=tdt).numpy()
 
     def end_step(self) -> None:
         """Scatter the step's rows to each flagged request by absolute position."""
-        if self._step is None:
+        stash, self._stash = self._stash, None
+        if stash is None:
             return
-        if len(self._seen) != len(self.router_ids):
+        if any(a is None for a in stash):
             # some router produced no rows this step: leave the positions unfilled so fetch reports them
             for cid, _start, _n, _off in self._segments:
                 self._req(cid)
-            self._step = None
             return
-        step = self._step
+        step = self._step_rows(stash)
         for cid, start, n, off in self._segments:
             r = self.reqs.get(cid) or self._req(cid)
             end = min(start + n, self.max_positions)
@@ -120,7 +141,6 @@ class RouteRecorder:
                 r.buf[:, start:end] = step[:, off : off + (end - start)]
             if end > r.max_pos:
                 r.max_pos = end
-        self._step = None
         self.steps += 1
 
     def _req(self, cid: str) -> _Req:

@@ -6,7 +6,8 @@ the hook vLLM's own ``bind_routed_experts_capturer`` uses). For steps with a fla
 step hook; flag = ``SamplingParams.extra_args["genartifact_capture_id"]``) it learns the batch layout —
 request order ``input_batch.req_ids``, start position ``input_batch.num_computed_tokens_cpu`` and token count
 ``scheduler_output.num_scheduled_tokens`` — lazily on the step's first router call, after the runner has applied
-the step's state updates, and scatters each layer's ``topk_ids`` to the flagged requests by absolute position
+the step's state updates, keeps each layer's ``topk_ids`` by reference during the forward, and at the step's end stacks them once and
+scatters the rows to the flagged requests by absolute position
 (:class:`~genartifact_route_capture.recorder.RouteRecorder`).
 """
 
@@ -94,9 +95,9 @@ class RecordingCapture(WorkerCapture):
             return
         if not self.step_ready:
             self._begin()
-        if self.recorder._step is None:  # no flagged request scheduled in this step
+        if not self.recorder.recording:  # no flagged request scheduled in this step
             return
-        self.recorder.on_layer(layer_id, rows.detach())
+        self.recorder.on_layer(layer_id, rows)
 
     # capture-id verbs
     def pop(self, capture_id: str, args: Sequence[Any]) -> Any | None:
