@@ -70,3 +70,28 @@ def test_finalize_checks_alignment_and_release_clears():
         p.finalize(FinalContext(3, 2))
     p.release()
     assert p.retained_bytes() == 0
+
+
+@pytest.mark.parametrize("vocab", [512, 151_936])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flagged_rows_log_softmax_is_bitwise_the_whole_batch_one(vocab, dtype):
+    """The worker normalises only the flagged rows; vLLM's sampler (``raw_logprobs``) normalises the whole batch.
+    Every value must be bit-for-bit the same, for any subset of rows and any torch thread count: the stored
+    ``selected_logprobs`` equal the engine's own logprobs exactly (docs/contents.md)."""
+    import torch
+    from genartifact_logprobs.worker import flagged_log_softmax
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn((37, vocab), generator=g) * 4).to(getattr(torch, dtype))
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in sorted({1, max(1, threads)}):
+            torch.set_num_threads(n_threads)
+            whole = logits.log_softmax(dim=-1, dtype=torch.float32)
+            for rows in ([0], [36], [1, 5, 6, 30], list(range(0, 37, 2)), list(range(37))):
+                idx = torch.tensor(rows, dtype=torch.long)
+                got = flagged_log_softmax(logits, idx, rows == list(range(37)))
+                assert got.dtype == torch.float32 and tuple(got.shape) == (len(rows), vocab)
+                assert torch.equal(got, whole.index_select(0, idx)), (n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)

@@ -5,7 +5,7 @@ pythonized lists, serialization, output processing — about 15 % of tokens/s on
 A :class:`~genartifact.engine.worker_ext.WorkerCapture` run by genartifact's worker runtime on the capturing
 rank of each engine. It wraps the runner's sampler: during steps with a flagged request
 (``SamplingParams.extra_args["genartifact_logprobs_id"]``; the runtime's step hook) it computes, for the rows of
-flagged requests, exactly what vLLM's sampler computes for ``raw_logprobs`` —
+flagged requests only, exactly what vLLM's sampler computes for ``raw_logprobs`` —
 ``logits.log_softmax(-1, dtype=float32)`` on the raw logits, before any processing (``vllm/v1/sample/sampler.py``)
 — and keeps, per request, ``position -> (token id, logprob)`` of each real sample (a chunked-prefill pass whose
 sample vLLM discards is skipped: real iff computed + scheduled tokens reach the request's token count). The
@@ -22,6 +22,19 @@ from genartifact.engine.worker_ext import WorkerCapture, WorkerStep
 
 NAME = "selected_logprobs"
 CAPTURE_KEY = "genartifact_logprobs_id"
+
+
+def flagged_log_softmax(logits: Any, idx: Any, all_rows: bool) -> Any:
+    """``log_softmax(logits[idx], -1, dtype=float32)``: float32 ``[len(idx), vocab]`` for the rows ``idx`` (int64
+    ``[n]``, ascending batch rows of flagged requests) of ``logits`` (``[batch, vocab]``); ``all_rows``: ``idx`` is
+    every row in order (no gather). Only flagged rows are normalised: a row's log-softmax does not depend on
+    the other rows of the batch (pinned bitwise against the whole-batch call vLLM's sampler makes for
+    ``raw_logprobs``, ``plugins/logprobs/tests``), and at a 151,936-token vocabulary a mixed batch's unflagged
+    rows would cost the worker milliseconds per step."""
+    import torch
+
+    sub = logits if all_rows else logits.index_select(0, idx)
+    return sub.log_softmax(dim=-1, dtype=torch.float32)
 
 
 class LogprobCapture(WorkerCapture):
@@ -45,12 +58,13 @@ class LogprobCapture(WorkerCapture):
             if self.step is None:
                 return orig_forward(logits, sampling_metadata, *a, **kw)
             rows = self._rows(logits.shape[0])
-            lp = logits.log_softmax(dim=-1, dtype=torch.float32) if rows else None
+            if rows:  # before the sampler, which may change the logits in place (temperature, penalties)
+                idx = torch.tensor([r for r, _, _ in rows], dtype=torch.long)
+                lp = flagged_log_softmax(logits, idx, len(rows) == logits.shape[0] and rows[-1][0] == len(rows) - 1)
             out = orig_forward(logits, sampling_metadata, *a, **kw)
             if rows:
-                idx = torch.tensor([r for r, _, _ in rows], dtype=torch.long)
                 tok = out.sampled_token_ids.index_select(0, idx)[:, 0].long()
-                vals = lp.index_select(0, idx).gather(1, tok[:, None])[:, 0]
+                vals = lp.gather(1, tok[:, None])[:, 0]
                 for (_, cid, pos), t, v in zip(rows, tok.tolist(), vals.tolist(), strict=True):
                     self.store.setdefault(cid, {})[pos] = (t, v)
             return out
