@@ -12,7 +12,8 @@ Sustained load: each round runs --requests requests with at most --inflight in f
   options (``engine_options`` + ``cpu_mla_fallback``: skip_tokenizer_init, fp32, eager, no prefix caching, same
   seed) but without genartifact's worker init (no capture hooks, no session, no receipts), driven directly with
   the SamplingParams ``VllmEngine.stream`` builds (same sampling, ``RequestOutputKind.DELTA``, or FINAL_ONLY
-  with --final-only) and the same prompts and concurrency.
+  with --final-only), the prompt in the same rendered form (``vllm_adapter.engine_input``) and the same prompts
+  and concurrency.
 
 Rounds alternate the sides in a rotating order (on, same, plain / same, plain, on / ...). Every side is reported
 with the same statistics (median of rounds, best round) and each ratio also per round (paired: the two sides
@@ -96,14 +97,14 @@ def plain_params(max_tokens: int, skip_tokenizer: bool, eos: int | None):
 
 
 async def plain_round(llm, ids_list, max_tokens, params_of) -> float:
-    from vllm import TokensPrompt
+    from genartifact.engine.vllm_adapter import engine_input
 
     gate = asyncio.Semaphore(INFLIGHT[0])
 
     async def one(ids):
         n = 0
-        async with gate:
-            async for out in llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params_of(max_tokens),
+        async with gate:  # the prompt in the form VllmEngine.stream passes it (rendered: no thread hop in vLLM)
+            async for out in llm.generate(engine_input(llm, ids), params_of(max_tokens),
                                           uuid.uuid4().hex):
                 n += len(out.outputs[0].token_ids)  # DELTA: new tokens of this step (FINAL_ONLY: all of them)
         return n

@@ -17,7 +17,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -309,7 +309,7 @@ class VllmEngine:
         """Generate and yield ``(Delta, vllm CompletionOutput)``: one per engine step with
         ``RequestOutputKind.DELTA``, or a single delta holding everything with ``final_only=True``
         (``FINAL_ONLY``: no per-token output processing, for callers that do not stream)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         sampling = dict(sampling)
@@ -322,7 +322,7 @@ class VllmEngine:
         kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
         params = SamplingParams(**sampling, output_kind=kind)
         rid = request_id or uuid.uuid4().hex
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, rid):
+        async for out in self.llm.generate(engine_input(self.llm, prompt_token_ids), params, rid):
             c = out.outputs[0]
             ids = list(c.token_ids)
             yield Delta(
@@ -412,6 +412,23 @@ class VllmEngine:
         assert result is not None
         result.logprobs = logprobs if user_logprobs is not None else None
         return result
+
+
+def engine_input(llm: Any, prompt_token_ids: Sequence[int]) -> Any:
+    """The prompt as vLLM's rendered ``TokensInput`` (``{"type": "token", "prompt_token_ids": [...], ...}``) for
+    ``llm.generate``, made by the engine's own renderer (``Renderer.render_cmpl``: the same parsing, truncation and
+    checks that ``AsyncLLM.add_request`` applies to a raw ``TokensPrompt``). A raw prompt is rendered inside
+    ``add_request`` on vLLM's renderer thread pool, one thread hop per request (about 0.15-0.25 ms of driver CPU on
+    this project's 2-core box, docs/benchmarks.md), and vLLM 0.32 deprecates raw prompts there; a rendered one is
+    taken as is ("no blocking preprocessing needed", ``vllm/v1/engine/async_llm.py``). Token prompts need no
+    tokenization, so rendering them here costs less than the hop. Falls back to the raw ``TokensPrompt`` where the
+    engine has no renderer (another vLLM version, a stand-in)."""
+    from vllm import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+    renderer = getattr(getattr(llm, "input_processor", None), "renderer", None)
+    render = getattr(renderer, "render_cmpl", None)
+    return prompt if render is None else render([prompt])[0]
 
 
 def kill_engine_processes() -> int:
