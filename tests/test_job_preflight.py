@@ -153,6 +153,10 @@ def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("GENARTIFACT_PIPELINE_CONCURRENCY", "abc")
     assert _generate(tmp_path, "--run-id", "r2") == 2
     assert "GENARTIFACT_PIPELINE_CONCURRENCY" in capsys.readouterr().err
+    monkeypatch.delenv("GENARTIFACT_PIPELINE_CONCURRENCY")
+    monkeypatch.setenv("GENARTIFACT_PIPELINE_SMALL_CONCURRENCY", "0")
+    assert _generate(tmp_path, "--run-id", "r3") == 2
+    assert "GENARTIFACT_PIPELINE_SMALL_CONCURRENCY=0 out of range; allowed: 1..1024" in capsys.readouterr().err
 
 
 @pytest.mark.fault("generate", "unknown target table in the config")

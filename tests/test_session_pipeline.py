@@ -500,9 +500,19 @@ def slow_session(host, slow):
     return s
 
 
-async def test_pipeline_concurrency_bounded_and_cancellation_semantics(host, monkeypatch):
-    monkeypatch.setenv("GENARTIFACT_PIPELINE_CONCURRENCY", "2")
+@pytest.mark.parametrize("lane", ["large", "small"])
+async def test_pipeline_concurrency_bounded_and_cancellation_semantics(host, monkeypatch, lane):
+    """Each lane bounds its own operations: the main lane (artifacts whose admitted worst-case encoded size is
+    above SMALL_ARTIFACT_BYTES, GENARTIFACT_PIPELINE_CONCURRENCY) and the small lane
+    (GENARTIFACT_PIPELINE_SMALL_CONCURRENCY); here both are 2 and the other lane is unused."""
+    import genartifact.session as session_mod
+
+    monkeypatch.setenv("GENARTIFACT_PIPELINE_CONCURRENCY", "2" if lane == "large" else "1")
+    monkeypatch.setenv("GENARTIFACT_PIPELINE_SMALL_CONCURRENCY", "2" if lane == "small" else "1")
+    if lane == "large":  # these tiny artifacts count as large
+        monkeypatch.setattr(session_mod, "SMALL_ARTIFACT_BYTES", 0)
     host._pipelines.clear()
+    host._small_pipelines.clear()
     slow = SlowTarget(session(host)._target, delay=0.1)
     sessions = [slow_session(host, slow) for _ in range(6)]
     tasks = [asyncio.ensure_future(s.finalize()) for s in sessions]
@@ -514,8 +524,9 @@ async def test_pipeline_concurrency_bounded_and_cancellation_semantics(host, mon
     await asyncio.sleep(0.3)
     assert slow.peak == 2
     assert slow.done == 2  # started ones finished in the background, queued ones never started
-    sem = host.pipeline()
+    sem = host.pipeline(small=lane == "small")
     assert sem._value == 2  # no slot leaked
+    assert host.pipeline(small=lane != "small")._value == 1  # the other lane was never taken
     stored = [s for s in sessions if mem_exists(f"mem:{s.request.target['object_key']}")]
     assert len(stored) == 2
 

@@ -669,6 +669,9 @@ class PluginHost:
         self._pipelines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
+        self._small_pipelines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _group_source(self, group: str) -> Iterable[Any]:
         kind = next(k for k, g in GROUPS.items() if g == group)
@@ -723,15 +726,23 @@ class PluginHost:
         enabled = {p.name: p for p in self.enabled[kind]}
         raise UnknownPluginError(unknown_plugin_message(kind, name, enabled or installed, where))
 
-    def pipeline(self) -> asyncio.Semaphore:
-        """The encode+deliver semaphore of the running event loop (one per loop, size from
-        ``GENARTIFACT_PIPELINE_CONCURRENCY``, default 2)."""
-        from genartifact.limits import pipeline_concurrency
+    def pipeline(self, small: bool = False) -> asyncio.Semaphore:
+        """The encode+deliver semaphore of the running event loop (one per loop and lane).
+
+        Two lanes: artifacts whose admitted worst-case encoded size is above
+        :data:`~genartifact.limits.SMALL_ARTIFACT_BYTES` (1 MiB) take a slot of the main lane
+        (``GENARTIFACT_PIPELINE_CONCURRENCY``, default 2: their encode runs in a thread, their bytes can be tens of
+        MiB); smaller ones, every ordinary per-request artifact, take a slot of the ``small`` lane
+        (``GENARTIFACT_PIPELINE_SMALL_CONCURRENCY``, default 32: at most 32 MiB in flight), so that a wave of
+        requests finishing together is encoded and delivered together (one batch of ``file://`` writes, one group
+        commit) instead of two at a time behind one another. Both bound memory and concurrent deliveries."""
+        from genartifact.limits import pipeline_concurrency, small_pipeline_concurrency
 
         loop = asyncio.get_running_loop()
-        sem = self._pipelines.get(loop)
+        lanes = self._small_pipelines if small else self._pipelines
+        sem = lanes.get(loop)
         if sem is None:
-            sem = self._pipelines[loop] = asyncio.Semaphore(pipeline_concurrency())
+            sem = lanes[loop] = asyncio.Semaphore(small_pipeline_concurrency() if small else pipeline_concurrency())
         return sem
 
     def content_readers(self) -> dict[str, Any]:

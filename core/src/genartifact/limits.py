@@ -8,6 +8,9 @@ from genartifact.errors import ConfigError
 from genartifact.format import MAX_DECODED_BYTES
 
 DEFAULT_PIPELINE_CONCURRENCY = 2
+DEFAULT_SMALL_PIPELINE_CONCURRENCY = 32
+#: artifacts whose admitted worst-case encoded size is at most this many bytes use the small pipeline lane
+SMALL_ARTIFACT_BYTES = 1 << 20
 
 
 def _env_int(name: str, default: int, lo: int, hi: int) -> int:
@@ -31,3 +34,9 @@ def max_decoded_bytes() -> int:
 def pipeline_concurrency() -> int:
     """Concurrent encode+deliver operations per event loop (``GENARTIFACT_PIPELINE_CONCURRENCY``, default 2)."""
     return _env_int("GENARTIFACT_PIPELINE_CONCURRENCY", DEFAULT_PIPELINE_CONCURRENCY, 1, 1024)
+
+
+def small_pipeline_concurrency() -> int:
+    """Concurrent encode+deliver operations per event loop for artifacts whose admitted worst-case encoded size is at
+    most :data:`SMALL_ARTIFACT_BYTES` (``GENARTIFACT_PIPELINE_SMALL_CONCURRENCY``, default 32)."""
+    return _env_int("GENARTIFACT_PIPELINE_SMALL_CONCURRENCY", DEFAULT_SMALL_PIPELINE_CONCURRENCY, 1, 1024)

@@ -29,7 +29,7 @@ from genartifact.errors import (
 )
 from genartifact.host import PluginHost, redact
 from genartifact.journal import DeliveryJournal
-from genartifact.limits import max_decoded_bytes
+from genartifact.limits import SMALL_ARTIFACT_BYTES, max_decoded_bytes
 from genartifact.spec import ArtifactRequest
 from genartifact.types import AdmissionContext, ContentProducer, Delta, FinalContext, ModelInfo, ValidatedTarget
 
@@ -337,7 +337,7 @@ class ArtifactSession:
         if self.group is not None:  # a group sample: wait until the prompt part is settled (holding no slot)
             slot = await self.group.submit(self.group_index, inp)
             inp, group_field = slot.input, slot.receipt_group
-        sem = self.host.pipeline()
+        sem = self._pipeline()
         await sem.acquire()  # cancelled here -> the operation never starts
         task = asyncio.ensure_future(self._encode_and_deliver(inp, sem))
         task.add_done_callback(_consume)
@@ -354,11 +354,16 @@ class ArtifactSession:
             validated = self._target.validate(target_spec)
         except TargetError:
             return failed_receipt(self.request, "target_invalid")
-        sem = self.host.pipeline()
+        sem = self._pipeline()
         await sem.acquire()
         task = asyncio.ensure_future(self._encode_and_deliver(inp, sem, validated))
         task.add_done_callback(_consume)
         return await asyncio.shield(task)
+
+    def _pipeline(self) -> asyncio.Semaphore:
+        """This request's pipeline lane (:meth:`PluginHost.pipeline`): small when its admitted worst-case encoded
+        size is at most :data:`~genartifact.limits.SMALL_ARTIFACT_BYTES`."""
+        return self.host.pipeline(small=self.encoded_bound <= SMALL_ARTIFACT_BYTES)
 
     def _build_input(self, final: FinalContext) -> fmt.ArtifactInput:
         sections, tensors = {}, []

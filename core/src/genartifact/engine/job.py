@@ -42,7 +42,7 @@ import structlog
 from genartifact import config as config_mod
 from genartifact.errors import ConfigError, GenartifactError, PluginFault, RequestSpecError
 from genartifact.host import PluginHost
-from genartifact.limits import max_decoded_bytes, pipeline_concurrency
+from genartifact.limits import max_decoded_bytes, pipeline_concurrency, small_pipeline_concurrency
 from genartifact.spec import parse_request
 
 log = structlog.get_logger("genartifact.job")
@@ -891,7 +891,7 @@ def run_generate_cli(args: argparse.Namespace) -> int:
         raise RequestSpecError(f"cannot create the receipts directory {str(out.parent)!r}: {e.strerror}") from None
     if not os.access(out.parent, os.W_OK):
         raise RequestSpecError(f"receipts directory {str(out.parent)!r} is not writable")
-    max_decoded_bytes(), pipeline_concurrency()  # environment limits fail now, not after inference
+    max_decoded_bytes(), pipeline_concurrency(), small_pipeline_concurrency()  # environment limits fail now, not after inference
     t0 = time.perf_counter()
     writer = ReceiptsWriter(out, resume=resume)
     stop: dict[str, Any] = {}

@@ -33,7 +33,7 @@ from genartifact import config as config_mod
 from genartifact.engine.tiny_model import CHAT_TEMPLATE
 from genartifact.engine.vllm_adapter import RequestResult, VllmEngine
 from genartifact.errors import GenartifactError, PluginFault, RequestSpecError
-from genartifact.limits import pipeline_concurrency
+from genartifact.limits import pipeline_concurrency, small_pipeline_concurrency
 
 log = structlog.get_logger("genartifact.serve")
 EXT = "generation_artifact"
@@ -126,7 +126,8 @@ class Server:
         self.journal = cfg.journal()
         self.metrics = Metrics()
         self.drain_s = drain_s
-        self.capacity = pipeline_concurrency()
+        #: encode+deliver slots of both pipeline lanes (PluginHost.pipeline: large and small artifacts)
+        self.capacity = pipeline_concurrency() + small_pipeline_concurrency()
         tok = engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None) or CHAT_TEMPLATE
         mc = getattr(getattr(engine.llm, "vllm_config", None), "model_config", None)
@@ -286,9 +287,12 @@ class Server:
             self.metrics.inflight.dec()
             self._sample_slots()
 
+    def _free_slots(self) -> int:
+        host = self.engine.host
+        return host.pipeline()._value + host.pipeline(small=True)._value
+
     def _sample_slots(self) -> None:
-        sem = self.engine.host.pipeline()
-        used = self.capacity - sem._value
+        used = self.capacity - self._free_slots()
         self.metrics.slots.set(used)
         if used > self.metrics.slots_peak._value.get():
             self.metrics.slots_peak.set(used)
@@ -359,11 +363,10 @@ class Server:
 
     async def drain(self) -> int:
         """Wait up to ``drain_s`` for started deliveries; returns how many were still running (abandoned)."""
-        sem = self.engine.host.pipeline()
         deadline = time.monotonic() + self.drain_s
-        while sem._value < self.capacity and time.monotonic() < deadline:
+        while self._free_slots() < self.capacity and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return self.capacity - sem._value
+        return self.capacity - self._free_slots()
 
 
 def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, drain_s: float = 30.0) -> FastAPI:
@@ -742,7 +745,7 @@ def run_serve_cli(args: Any) -> int:
     from genartifact.engine.job import check_target_tables
 
     check_target_tables(cfg, host)
-    pipeline_concurrency()
+    pipeline_concurrency(), small_pipeline_concurrency()  # environment limits fail now, not at the first request
     kwargs = command_engine_kwargs(cfg, args)  # vLLM's engine arguments: [engine] table, then the command line
     kwargs.setdefault("skip_tokenizer_init", False)  # as vllm serve: the engine detokenizes (stop strings, text)
     names = kwargs.get("served_model_name") or [args.model]  # as vLLM: the first name is the one responses carry
