@@ -26,8 +26,8 @@ CAPTURE_KEY = "genartifact_logprobs_id"
 
 def flagged_log_softmax(logits: Any, idx: Any, all_rows: bool) -> Any:
     """``log_softmax(logits[idx], -1, dtype=float32)``: float32 ``[len(idx), vocab]`` for the rows ``idx`` (int64
-    ``[n]``, ascending batch rows of flagged requests) of ``logits`` (``[batch, vocab]``); ``all_rows``: ``idx`` is
-    every row in order (no gather). Only flagged rows are normalised: a row's log-softmax does not depend on
+    ``[n]``, ascending batch rows of flagged requests) of ``logits`` (``[batch, vocab]``); ``all_rows``: the flagged
+    rows are every row in order (no gather; ``idx`` is not used and may be None). Only flagged rows are normalised: a row's log-softmax does not depend on
     the other rows of the batch (pinned bitwise against the whole-batch call vLLM's sampler makes for
     ``raw_logprobs``, ``plugins/logprobs/tests``), and at a 151,936-token vocabulary a mixed batch's unflagged
     rows would cost the worker milliseconds per step."""
@@ -58,15 +58,23 @@ class LogprobCapture(WorkerCapture):
             if self.step is None:
                 return orig_forward(logits, sampling_metadata, *a, **kw)
             rows = self._rows(logits.shape[0])
-            if rows:  # before the sampler, which may change the logits in place (temperature, penalties)
-                idx = torch.tensor([r for r, _, _ in rows], dtype=torch.long)
-                lp = flagged_log_softmax(logits, idx, len(rows) == logits.shape[0] and rows[-1][0] == len(rows) - 1)
+            if not rows:
+                return orig_forward(logits, sampling_metadata, *a, **kw)
+            # rows are ascending batch rows: as many as the batch has means every row, in order (no gather)
+            all_rows = len(rows) == logits.shape[0]
+            idx = None if all_rows else torch.tensor([r for r, _, _ in rows], dtype=torch.long)
+            # before the sampler, which may change the logits in place (temperature, penalties)
+            lp = flagged_log_softmax(logits, idx, all_rows)
             out = orig_forward(logits, sampling_metadata, *a, **kw)
-            if rows:
-                tok = out.sampled_token_ids.index_select(0, idx)[:, 0].long()
-                vals = lp.gather(1, tok[:, None])[:, 0]
-                for (_, cid, pos), t, v in zip(rows, tok.tolist(), vals.tolist(), strict=True):
-                    self.store.setdefault(cid, {})[pos] = (t, v)
+            sampled = out.sampled_token_ids if all_rows else out.sampled_token_ids.index_select(0, idx)
+            tok = sampled[:, 0].long()
+            vals = lp.gather(1, tok[:, None])[:, 0]
+            store = self.store
+            for (_, cid, pos), t, v in zip(rows, tok.tolist(), vals.tolist(), strict=True):
+                entries = store.get(cid)
+                if entries is None:
+                    entries = store[cid] = {}
+                entries[pos] = (t, v)
             return out
 
         sampler.forward = forward
@@ -84,13 +92,15 @@ class LogprobCapture(WorkerCapture):
         mr = self.worker.model_runner
         ib = mr.input_batch
         rows = []
-        for i, rid in enumerate(ib.req_ids[: min(ib.num_reqs, n_rows)]):
+        k = min(ib.num_reqs, n_rows)
+        computed = ib.num_computed_tokens_cpu[:k].tolist()  # one conversion, not a numpy scalar per row
+        sched, reqs = so.num_scheduled_tokens, mr.requests
+        for i, rid in enumerate(ib.req_ids[:k]):
             cid = flagged.get(rid)
             if cid is None:
                 continue
-            n = int(so.num_scheduled_tokens.get(rid, 0))
-            end = int(ib.num_computed_tokens_cpu[i]) + n
-            req = mr.requests.get(rid)
+            end = int(computed[i]) + int(sched.get(rid, 0))
+            req = reqs.get(rid)
             if req is not None and end >= int(req.num_tokens):  # a real sample (not a discarded partial prefill)
                 rows.append((i, cid, end))
         return rows

@@ -82,10 +82,10 @@ class RecordingCapture(WorkerCapture):
         mr, so = self.worker.model_runner, self.step.scheduler_output  # type: ignore[union-attr]
         ib = mr.input_batch
         sched = so.num_scheduled_tokens
-        computed = ib.num_computed_tokens_cpu
+        k = ib.num_reqs
+        computed = ib.num_computed_tokens_cpu[:k].tolist()  # one conversion, not a numpy scalar per request
         flagged = self.step.flagged.get(self.name, {})  # type: ignore[union-attr]
-        segs = [(flagged.get(rid), int(computed[i]), int(sched.get(rid, 0)))
-                for i, rid in enumerate(ib.req_ids[: ib.num_reqs])]
+        segs = [(flagged.get(rid), int(computed[i]), int(sched.get(rid, 0))) for i, rid in enumerate(ib.req_ids[:k])]
         self.recorder.begin_step(segs)
         self.step_ready = True
 
