@@ -339,7 +339,7 @@ class ArtifactSession:
             inp, group_field = slot.input, slot.receipt_group
         sem = self._pipeline()
         await sem.acquire()  # cancelled here -> the operation never starts
-        task = asyncio.ensure_future(self._encode_and_deliver(inp, sem))
+        task = asyncio.ensure_future(self._encode_and_deliver(inp, sem, self._validated, self.budget))
         task.add_done_callback(_consume)
         receipt = await asyncio.shield(task)
         return receipt if group_field is None else {**receipt, "group": group_field}
@@ -356,7 +356,7 @@ class ArtifactSession:
             return failed_receipt(self.request, "target_invalid")
         sem = self._pipeline()
         await sem.acquire()
-        task = asyncio.ensure_future(self._encode_and_deliver(inp, sem, validated))
+        task = asyncio.ensure_future(self._encode_and_deliver(inp, sem, validated, self.budget))
         task.add_done_callback(_consume)
         return await asyncio.shield(task)
 
@@ -387,11 +387,13 @@ class ArtifactSession:
         )
 
     async def _encode_and_deliver(self, inp: fmt.ArtifactInput, sem: asyncio.Semaphore,
-                                  validated: ValidatedTarget | None = None) -> dict[str, Any]:
-        validated = validated or self._validated
-        assert validated is not None
+                                  validated: ValidatedTarget | None, budget: int) -> dict[str, Any]:
+        """Encode and deliver under the pipeline slot ``sem`` (released here on every path). ``validated`` and
+        ``budget`` are the admission's, taken when the slot was: an operation that keeps running after its caller
+        was cancelled (and the session released) still checks and stores against them."""
         did = None  # journal delivery id: every intent gets an outcome, whatever happens after it
         try:
+            assert validated is not None, "session released before its operation started"
             try:
                 readers = getattr(self, "_readers", None)
                 if _input_nbytes(inp) <= INLINE_ENCODE_BYTES:  # a thread hop costs more than encoding it here
@@ -401,8 +403,8 @@ class ArtifactSession:
             except ArtifactFormatError as e:
                 log.warning("artifact_encode_failed", error=redact(str(e)))
                 return failed_receipt(self.request, "encode_failed")
-            if enc.decoded_bytes > self.budget:
-                log.error("artifact_over_budget", decoded=enc.decoded_bytes, budget=self.budget)
+            if enc.decoded_bytes > budget:
+                log.error("artifact_over_budget", decoded=enc.decoded_bytes, budget=budget)
                 return failed_receipt(self.request, "capture_invalid")
             if enc.byte_count > validated.max_bytes:
                 return failed_receipt(self.request, "too_large")

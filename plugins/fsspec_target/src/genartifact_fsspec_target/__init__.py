@@ -386,66 +386,96 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
 def _write_local_batch(jobs: Sequence[tuple[Path, bytes]]) -> list[DeliveryError | None]:
     """:func:`_write_local_create_only` for several objects with one **group commit**: every object is written,
     fsynced and linked first, then each directory that received a new name is fsynced once (and the parent of
-    each directory made for a key once), instead of once per object. One directory fsync makes every link made
-    in that directory before it durable, so each object's guarantees are those of :func:`_write_local_create_only`
-    — its bytes fsynced before its link, its name synced before its result is returned — for fewer fsyncs.
+    each directory made in this batch above a stored key once), instead of once per object. One directory fsync
+    makes every link made in that directory before it durable, so each object's guarantees are those of
+    :func:`_write_local_create_only` — its bytes fsynced before its link, its name synced before its result is
+    returned — for fewer fsyncs. A key directory opened for an earlier job is reused only while the key's path
+    still names it (one moved away, removed or replaced meanwhile is opened again at the path, as alone).
 
     Returns one result per job, in order: None (stored and durable) or the :class:`DeliveryError` that job would
-    have raised alone (``object_exists``, ``delivery_failed``). Jobs fail independently, except that a directory
-    whose fsync fails fails every job that linked into it in this batch (each of those keys is removed again: no
-    result, no object)."""
+    have raised alone (``object_exists``, ``delivery_failed``; any exception, not only an OSError, fails just its
+    job). Jobs fail independently, except that a directory whose fsync fails fails every job that linked into it
+    in this batch (each of those keys is removed again: no result, no object) and every later job of the batch
+    that met one of those keys (it is no longer there: ``delivery_failed``, not ``object_exists``)."""
     results: list[DeliveryError | None] = [None] * len(jobs)
-    dirs: dict[Path, tuple[int, list[Path], list[int]]] = {}  # key directory -> (fd, new dirs, jobs linked in it)
+    # key directory -> (fd, (st_dev, st_ino), jobs linked in it, jobs that met a key linked in it by this batch)
+    dirs: dict[Path, tuple[int, tuple[int, int], list[int], list[int]]] = {}
+    opened: list[tuple[Path, tuple[int, tuple[int, int], list[int], list[int]]]] = []  # every one, to sync/close
+    made: set[Path] = set()  # directories made for keys of this batch
+    linked_by: dict[Path, Any] = {}  # key -> the directory entry it was linked in by this batch
     try:
         for i, (dest, data) in enumerate(jobs):
             entry = dirs.get(dest.parent)
+            if entry is not None and not _names_dir(dest.parent, entry[1]):
+                entry = None  # moved away, removed or replaced since an earlier job: the key's path decides
             if entry is None:
                 try:  # (a file where a directory is needed is EEXIST here: delivery_failed, not object_exists)
-                    new_dirs = []  # deepest first: the key's directories that are missing now (made below)
                     d = dest.parent
-                    while not d.is_dir() and d.parent != d:
-                        new_dirs.append(d)
+                    while not d.is_dir() and d.parent != d:  # the key's directories that are missing now
+                        made.add(d)
                         d = d.parent
                     dest.parent.mkdir(parents=True, exist_ok=True)
-                    entry = dirs[dest.parent] = (os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY), new_dirs, [])
-                except OSError as e:
-                    log.warning("managed_write_failed", errno=e.errno)
+                    fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+                    st = os.fstat(fd)
+                    entry = dirs[dest.parent] = (fd, (st.st_dev, st.st_ino), [], [])
+                    opened.append((dest.parent, entry))
+                except Exception as e:  # noqa: BLE001 - any failure is this job's delivery_failed
+                    log.warning("managed_write_failed", errno=getattr(e, "errno", None), error_type=type(e).__name__)
                     results[i] = DeliveryError("managed artifact write failed")
                     continue
             try:
                 if not _publish_unnamed(entry[0], dest.name, data):
                     _publish_named(dest, data)
                 entry[2].append(i)
+                linked_by[dest] = entry
             except FileExistsError:
                 results[i] = DeliveryError("managed artifact object already exists", "object_exists")
-            except OSError as e:
-                log.warning("managed_write_failed", errno=e.errno)
+                if linked_by.get(dest) is entry:
+                    entry[3].append(i)
+            except Exception as e:  # noqa: BLE001 - any failure is this job's delivery_failed
+                log.warning("managed_write_failed", errno=getattr(e, "errno", None), error_type=type(e).__name__)
                 results[i] = DeliveryError("managed artifact write failed")
         synced: set[Path] = set()  # parents of new directories already synced in this batch
-        for fd, new_dirs, linked in dirs.values():
+        for path, (fd, _, linked, met) in opened:
             if not linked:
                 continue
             try:
                 os.fsync(fd)
-                for nd in new_dirs:  # a new directory's name is an entry of its parent
-                    if nd.parent not in synced:
-                        _fsync_dir(nd.parent)
-                        synced.add(nd.parent)
-            except OSError as e:  # the directory could not be synced: no receipt, so no object either
-                log.warning("managed_write_failed", errno=e.errno)
+                d = path
+                while d in made:  # a new directory's name is an entry of its parent
+                    if d.parent not in synced:
+                        _fsync_dir(d.parent)
+                        synced.add(d.parent)
+                    d = d.parent
+            except Exception as e:  # noqa: BLE001 - the directory could not be synced: no receipt, so no object
+                log.warning("managed_write_failed", errno=getattr(e, "errno", None), error_type=type(e).__name__)
                 for i in linked:
                     _unlink_quiet(jobs[i][0].name, fd)
+                for i in linked + met:
                     results[i] = DeliveryError("managed artifact write failed")
     finally:
-        for fd, _, _ in dirs.values():
+        for _, (fd, _, _, _) in opened:
             os.close(fd)
     return results
+
+
+def _names_dir(path: Path, ident: tuple[int, int]) -> bool:
+    """``path`` is (still) the directory ``(st_dev, st_ino)``."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == ident
 
 
 #: ``file://`` objects of at most this many bytes go through the profile's batch writer (:class:`_LocalWriter`);
 #: larger ones get a thread each (their write and fsync dwarf a thread hop, and they must not queue behind one
 #: another in a single writer)
 LOCAL_BATCH_MAX_BYTES = 1 << 20
+#: at most this many objects per batch (the rest wait for the next one): a delivery's result waits for its whole
+#: batch, and a batch holds a descriptor per key directory until its end, so a burst of thousands of deliveries in
+#: one loop turn neither delays the first results behind the last writes nor runs out of descriptors
+LOCAL_BATCH_MAX_JOBS = 64
 
 
 class _LocalWriter:
@@ -457,19 +487,22 @@ class _LocalWriter:
     docs/benchmarks.md), and every object paid its own directory fsync. Here the deliveries asked for in one
     event-loop turn go to the writer thread together (one hop there, one back, whatever their number), and while
     a batch is being written the next deliveries queue up and go as the next batch, so under load a batch grows
-    to whatever arrived during the previous one's fsyncs (group commit). Each delivery's result is exactly what
-    :func:`_write_local_create_only` gives it alone.
+    to whatever arrived during the previous one's fsyncs (group commit), up to :data:`LOCAL_BATCH_MAX_JOBS`
+    objects. Each delivery's result is exactly what :func:`_write_local_create_only` gives it alone; a batch the
+    writer thread cannot take (the interpreter is shutting down) fails its deliveries at once.
 
     The writer is a one-thread ``ThreadPoolExecutor`` per profile root (a slow filesystem never delays another
-    root's writes), made per process (a forked child makes its own: the parent's thread is not in it), so an
-    interpreter exit waits for writes in progress as it does for ``asyncio.to_thread``. A delivery whose caller
-    stops waiting (timeout, cancellation) still completes in the thread, as with ``to_thread``."""
+    root's writes), made per process (a forked child makes its own, and remakes the table's lock: the parent's
+    thread is not in it), so an interpreter exit waits for writes in progress as it does for ``asyncio.to_thread``.
+    A delivery whose caller stops waiting (timeout, cancellation) still completes in the thread, as with
+    ``to_thread``. The writer holds its loop weakly (the per-loop table is weak on the loop: a finished loop is
+    freed with its writer)."""
 
     _executors: dict[str, tuple[int, Any]] = {}  # root -> (pid, executor)
     _lock = threading.Lock()
 
     def __init__(self, root: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.root, self.loop = root, loop
+        self.root, self._loop = root, weakref.ref(loop)
         self.pending: list[tuple[Path, bytes, asyncio.Future[None]]] = []
         self.busy = False  # a batch is in the thread, or one is about to go
         self.batches = 0
@@ -489,27 +522,37 @@ class _LocalWriter:
 
     def write(self, dest: Path, data: bytes) -> asyncio.Future[None]:
         """Queue one object; the future resolves once it is stored and durable (or with its DeliveryError)."""
-        fut = self.loop.create_future()
+        loop = self._loop()
+        assert loop is not None  # called on its running loop
+        fut = loop.create_future()
         self.pending.append((dest, data, fut))
         if not self.busy:
             self.busy = True
-            self.loop.call_soon(self._send)  # after the other deliveries of this loop turn
+            loop.call_soon(self._send)  # after the other deliveries of this loop turn
         return fut
 
     def _send(self) -> None:
-        batch, self.pending = self.pending, []
-        batch = [job for job in batch if not job[2].done()]  # its caller stopped waiting before it was sent
+        waiting = [job for job in self.pending if not job[2].done()]  # its caller stopped waiting before it was sent
+        batch, self.pending = waiting[:LOCAL_BATCH_MAX_JOBS], waiting[LOCAL_BATCH_MAX_JOBS:]
         if not batch:
             self.busy = False
             return
         self.batches += 1
         self.objects += len(batch)
-        done = self.executor(self.root).submit(_write_local_batch, [(d, b) for d, b, _ in batch])
+        try:
+            done = self.executor(self.root).submit(_write_local_batch, [(d, b) for d, b, _ in batch])
+        except Exception as e:  # noqa: BLE001 - no writer thread to be had (interpreter shutdown): fail, never hang
+            from concurrent.futures import Future
+
+            done = Future()
+            done.set_exception(e)
+            self._finish(batch, done)
+            return
         done.add_done_callback(lambda f: self._post(batch, f))
 
     def _post(self, batch: list[tuple[Path, bytes, asyncio.Future[None]]], done: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._finish, batch, done)
+        try:  # (the batch's futures hold their loop while it is in the thread)
+            batch[0][2].get_loop().call_soon_threadsafe(self._finish, batch, done)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
@@ -518,7 +561,7 @@ class _LocalWriter:
             results = done.result()
         except BaseException as e:  # noqa: BLE001 - the writer itself broke (e.g. interpreter shutdown)
             log.warning("managed_write_failed", error_type=type(e).__name__)
-            results = [DeliveryError("managed artifact write failed")] * len(batch)
+            results = [DeliveryError("managed artifact write failed") for _ in batch]  # one per raise
         for (_, _, fut), err in zip(batch, results, strict=True):
             if fut.done():  # the caller stopped waiting (timeout, cancellation); the object is written anyway
                 continue
@@ -531,6 +574,13 @@ class _LocalWriter:
         else:
             self.busy = False
 
+
+def _reset_writer_lock() -> None:
+    _LocalWriter._lock = threading.Lock()  # a forked child: the parent's holder (another thread) is not in it
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_writer_lock)
 
 _LOCAL_WRITERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _LocalWriter]] = (
     weakref.WeakKeyDictionary())

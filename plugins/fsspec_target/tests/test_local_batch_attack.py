@@ -1,0 +1,526 @@
+"""managed_fsspec file:// batch writer under hostile inputs and injected faults: duplicate keys in one batch, keys
+under new directories, directories replaced mid-batch, errors of every kind from the system calls, a writer
+that cannot take work, closed and forgotten event loops, forks, and very large batches. Each delivery must get
+exactly the result it would get alone, nothing partial is ever visible, and nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import os
+import resource
+import signal
+import stat
+import threading
+import time
+import weakref
+
+import genartifact_fsspec_target as ft
+import pytest
+from genartifact.errors import DeliveryError
+from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles
+
+
+def target(tmp_path, **extra):
+    return ManagedFsspecTarget(parse_profiles({"profiles": {
+        "disk": {"url": f"file://{tmp_path}", "allowed_prefixes": ["runs/"], **extra}}}))
+
+
+def spec(key):
+    return {"kind": "managed_fsspec", "profile": "disk", "object_key": key}
+
+
+def codes(results):
+    return [r.code if r is not None else None for r in results]
+
+
+def dir_path(fd):
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def all_files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+# ---------------------------------------------------------------------------------------- duplicate keys
+
+
+@pytest.mark.parametrize("path", ["unnamed", "named"])
+@pytest.mark.fault("managed", "two deliveries of one key in one file:// batch")
+def test_same_key_twice_in_one_batch_one_wins(tmp_path, monkeypatch, path):
+    """Two jobs with the same key in one batch: the first is stored with its bytes intact, the second is
+    object_exists, and no temp file is left (both write paths)."""
+    if path == "named":
+        monkeypatch.setattr(ft, "_O_TMPFILE", 0)
+    dest = tmp_path / "runs/k.gart"
+    res = ft._write_local_batch([(dest, b"first"), (dest, b"second"), (dest, b"third")])
+    assert codes(res) == [None, "object_exists", "object_exists"]
+    assert dest.read_bytes() == b"first"
+    assert all_files(tmp_path) == ["runs/k.gart"]
+
+
+def test_same_key_in_one_loop_turn_through_deliver(tmp_path):
+    """The same key asked for twice in one loop turn (one batch): exactly one delivery wins."""
+    t = target(tmp_path)
+
+    async def main():
+        v = t.validate(spec("runs/same.gart"))
+        return await asyncio.gather(*(t.deliver(v, b"v%d" % i, "s") for i in range(4)), return_exceptions=True)
+
+    out = asyncio.run(main())
+    assert out[0] == "disk:runs/same.gart"
+    assert [e.code for e in out[1:]] == ["object_exists"] * 3
+    assert (tmp_path / "runs/same.gart").read_bytes() == b"v0"
+
+
+def test_same_key_from_two_event_loops_at_once(tmp_path):
+    """Two event loops in two threads deliver the same keys at the same moment: every key is won exactly once,
+    with the winner's bytes intact."""
+    t = target(tmp_path)
+    barrier = threading.Barrier(2)
+    outs: dict[int, list] = {}
+
+    def run(n):
+        async def main():
+            vs = [t.validate(spec(f"runs/{i}.gart")) for i in range(20)]
+            barrier.wait()
+            return await asyncio.gather(*(t.deliver(v, b"%d-%d" % (n, i), "s") for i, v in enumerate(vs)),
+                                        return_exceptions=True)
+
+        outs[n] = asyncio.run(main())
+
+    ths = [threading.Thread(target=run, args=(n,)) for n in range(2)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(10)
+    for i in range(20):
+        won = [n for n in range(2) if outs[n][i] == f"disk:runs/{i}.gart"]
+        lost = [n for n in range(2) if isinstance(outs[n][i], DeliveryError) and outs[n][i].code == "object_exists"]
+        assert len(won) == 1 and len(lost) == 1, (i, outs[0][i], outs[1][i])
+        assert (tmp_path / f"runs/{i}.gart").read_bytes() == b"%d-%d" % (won[0], i)
+
+
+@pytest.mark.fault("managed", "directory fsync failing after a duplicate key in one file:// batch")
+def test_duplicate_of_a_key_removed_by_a_failed_directory_sync_is_not_object_exists(tmp_path, monkeypatch):
+    """Job 0 links a key, job 1 (same key) meets it; the key directory's fsync then fails and job 0's key is
+    removed. Job 1 must not read as object_exists (there is no object): it fails like the directory it needed."""
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.setattr(os, "fsync", fsync)
+    dest = tmp_path / "runs/k.gart"
+    res = ft._write_local_batch([(dest, b"a"), (dest, b"b")])
+    assert codes(res) == ["delivery_failed", "delivery_failed"]
+    assert os.listdir(tmp_path / "runs") == []
+
+
+# ---------------------------------------------------------------------------------------- new directories
+
+
+def test_many_keys_under_new_nested_directories_in_one_batch(tmp_path):
+    """Keys under new nested directories of several depths, sharing parents, in one batch: all stored."""
+    jobs = [(tmp_path / f"runs/{a}/{b}/{c}.gart", b"%d%d%d" % (a, b, c))
+            for a in range(3) for b in range(3) for c in range(2)]
+    res = ft._write_local_batch(jobs)
+    assert res == [None] * len(jobs)
+    for dest, data in jobs:
+        assert dest.read_bytes() == data
+
+
+@pytest.mark.fault("managed", "first new directory's only job failing in a file:// batch")
+def test_parent_of_a_shared_new_directory_is_synced_even_when_the_first_job_fails(tmp_path, monkeypatch):
+    """``runs/new/a/1`` (fails: ENOSPC) and ``runs/new/b/2`` (stored) in one batch, ``runs/new`` made for the
+    first: the stored key is durable only once ``runs/new``'s name is, so ``runs`` must be synced even though the
+    job that made ``runs/new`` failed."""
+    (tmp_path / "runs").mkdir()
+    real_write, real_fsync = os.write, os.fsync
+    synced: list[str] = []
+
+    def write(fd, data):
+        if bytes(data) == b"fail":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(os.path.relpath(dir_path(fd), tmp_path))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "fsync", fsync)
+    res = ft._write_local_batch([(tmp_path / "runs/new/a/1.gart", b"fail"), (tmp_path / "runs/new/b/2.gart", b"ok")])
+    assert codes(res) == ["delivery_failed", None]
+    assert "runs/new/b" in synced and "runs/new" in synced and "runs" in synced
+
+
+@pytest.mark.parametrize("how", ["replaced", "removed"])
+@pytest.mark.fault("managed", "key directory replaced or removed between jobs of one file:// batch")
+def test_directory_replaced_between_jobs_of_one_batch(tmp_path, monkeypatch, how):
+    """``runs/d`` is moved away (and replaced by a new directory, or not) after the batch's first job linked
+    into it: the second job of ``runs/d`` is stored at its key's path, as it would be alone, not in the directory
+    that moved away."""
+    (tmp_path / "runs/d").mkdir(parents=True)
+    real = ft._publish_unnamed
+    calls = []
+
+    def publish(dir_fd, name, data):
+        ok = real(dir_fd, name, data)
+        calls.append(name)
+        if len(calls) == 1:
+            os.rename(tmp_path / "runs/d", tmp_path / "runs/moved")
+            if how == "replaced":
+                (tmp_path / "runs/d").mkdir()
+        return ok
+
+    monkeypatch.setattr(ft, "_publish_unnamed", publish)
+    res = ft._write_local_batch([(tmp_path / "runs/d/1.gart", b"1"), (tmp_path / "runs/d/2.gart", b"2")])
+    assert res == [None, None]
+    assert (tmp_path / "runs/d/2.gart").read_bytes() == b"2"
+    assert (tmp_path / "runs/moved/1.gart").read_bytes() == b"1"  # linked before the move: it moved with it
+
+
+# ---------------------------------------------------------------------------------------- injected errors
+
+
+@pytest.mark.parametrize("path", ["unnamed", "named"])
+@pytest.mark.parametrize("call, err", [("write", errno.ENOSPC), ("write", errno.EIO), ("fsync", errno.EIO),
+                                       ("fsync", errno.ENOSPC), ("link", errno.ENOSPC), ("link", errno.EIO)])
+@pytest.mark.fault("managed", "os.write/fsync/link errors inside a file:// batch")
+def test_system_call_error_fails_only_its_job_and_leaves_nothing(tmp_path, monkeypatch, path, call, err):
+    """One job's os.write, file fsync or link fails (ENOSPC/EIO): that job is delivery_failed with no key and no
+    temp file, the batch's other jobs are stored."""
+    if path == "named":
+        monkeypatch.setattr(ft, "_O_TMPFILE", 0)
+    (tmp_path / "runs").mkdir()
+    real = getattr(os, call)
+    state = {"armed": False}
+
+    def faulty(*a, **kw):
+        if state["armed"] and not (call == "fsync" and stat.S_ISDIR(os.fstat(a[0]).st_mode)):
+            state["armed"] = False
+            raise OSError(err, os.strerror(err))
+        return real(*a, **kw)
+
+    real_publish = ft._publish_unnamed if path == "unnamed" else ft._publish_named
+
+    def publish(*a):
+        state["armed"] = a[-1] == b"bad"
+        try:
+            return real_publish(*a)
+        finally:
+            state["armed"] = False
+
+    monkeypatch.setattr(os, call, faulty)
+    monkeypatch.setattr(ft, "_publish_unnamed" if path == "unnamed" else "_publish_named", publish)
+    res = ft._write_local_batch([(tmp_path / "runs/1.gart", b"1"), (tmp_path / "runs/2.gart", b"bad"),
+                                 (tmp_path / "runs/3.gart", b"3")])
+    assert codes(res) == [None, "delivery_failed", None]
+    assert sorted(os.listdir(tmp_path / "runs")) == ["1.gart", "3.gart"]
+
+
+@pytest.mark.parametrize("where", ["write", "dir_fsync"])
+@pytest.mark.fault("managed", "non-OSError exception inside a file:// batch")
+def test_non_oserror_inside_a_batch_leaves_no_key_and_no_busy_writer(tmp_path, monkeypatch, where):
+    """A non-OSError (here RuntimeError) in one job's write, or in a directory fsync: no delivery is told it
+    failed while its key stays, every waiting delivery gets a result (no hang), and the writer takes the next
+    delivery."""
+    (tmp_path / "runs").mkdir()
+    real_write, real_fsync = os.write, os.fsync
+
+    def write(fd, data):
+        if where == "write" and bytes(data) == b"boom":
+            raise RuntimeError("not an OSError")
+        return real_write(fd, data)
+
+    def fsync(fd):
+        if where == "dir_fsync" and stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise RuntimeError("not an OSError")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "fsync", fsync)
+    t = target(tmp_path, timeout_s=5)
+
+    async def main():
+        keys = ["runs/1.gart", "runs/2.gart", "runs/3.gart"]
+        out = await asyncio.wait_for(asyncio.gather(
+            *(t.deliver(t.validate(spec(k)), b"boom" if k == "runs/2.gart" else b"ok", "s") for k in keys),
+            return_exceptions=True), 2)
+        monkeypatch.setattr(os, "write", real_write)
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        after = await asyncio.wait_for(t.deliver(t.validate(spec("runs/after.gart")), b"a", "s"), 2)
+        return out, after
+
+    out, after = asyncio.run(main())
+    assert after == "disk:runs/after.gart"
+    stored = set(os.listdir(tmp_path / "runs")) - {"after.gart"}
+    for k, r in zip(["1.gart", "2.gart", "3.gart"], out, strict=True):
+        if isinstance(r, DeliveryError):
+            assert r.code == "delivery_failed" and k not in stored, (k, r)
+        else:
+            assert r == f"disk:runs/{k}" and k in stored
+    if where == "write":
+        assert [isinstance(r, DeliveryError) for r in out] == [False, True, False]
+
+
+@pytest.mark.fault("managed", "file:// writer thread refusing work")
+def test_writer_that_cannot_take_work_fails_deliveries_instead_of_hanging(tmp_path, monkeypatch):
+    """The writer's executor refuses the batch (RuntimeError, as after interpreter shutdown began): the waiting
+    deliveries fail at once with delivery_failed (not a timeout), and the writer is not left busy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dead = ThreadPoolExecutor(max_workers=1)
+    dead.shutdown()
+    real = ft._LocalWriter.executor
+    monkeypatch.setattr(ft._LocalWriter, "executor", classmethod(lambda cls, root: dead))
+    t = target(tmp_path, timeout_s=1.5)
+
+    async def main():
+        t0 = time.monotonic()
+        out = await asyncio.gather(*(t.deliver(t.validate(spec(f"runs/{i}.gart")), b"x", "s") for i in range(3)),
+                                   return_exceptions=True)
+        took = time.monotonic() - t0
+        monkeypatch.setattr(ft._LocalWriter, "executor", real)
+        after = await t.deliver(t.validate(spec("runs/after.gart")), b"y", "s")
+        return out, took, after, ft._local_writer(f"file://{tmp_path}")
+
+    out, took, after, writer = asyncio.run(main())
+    assert [e.code for e in out] == ["delivery_failed"] * 3 and took < 1
+    assert len({id(e) for e in out}) == 3  # one exception object per delivery (tracebacks are per raise)
+    assert after == "disk:runs/after.gart" and not writer.busy
+    assert os.listdir(tmp_path / "runs") == ["after.gart"]
+
+
+# ---------------------------------------------------------------------------------------- loops and processes
+
+
+@pytest.mark.fault("managed", "event loop closed while its file:// batch is in the writer thread")
+def test_loop_closed_while_a_batch_is_in_the_thread(tmp_path, monkeypatch):
+    """The loop ends (its tasks cancelled, the loop closed) while its batch is held in the writer thread: the batch
+    still completes (objects whole and durable), nothing raises in the thread, and a new loop delivers."""
+    gate = threading.Event()
+    entered = threading.Event()
+    real = ft._write_local_batch
+
+    def slow(jobs):
+        entered.set()
+        gate.wait(5)
+        return real(jobs)
+
+    monkeypatch.setattr(ft, "_write_local_batch", slow)
+    t = target(tmp_path)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(t.deliver(t.validate(spec("runs/held.gart")), b"h", "s"))
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert entered.wait(2)
+    task.cancel()
+    loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+    loop.close()
+    gate.set()
+    monkeypatch.setattr(ft, "_write_local_batch", real)
+    assert asyncio.run(t.deliver(t.validate(spec("runs/next.gart")), b"n", "s")) == "disk:runs/next.gart"
+    assert (tmp_path / "runs/held.gart").read_bytes() == b"h"
+
+
+def test_finished_event_loops_are_not_kept_alive_by_their_writer(tmp_path):
+    """An event loop that delivered a file:// object and was closed can be garbage-collected (the per-loop writer
+    table is weak on the loop; the writer must not hold its loop strongly)."""
+    t = target(tmp_path)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(t.deliver(t.validate(spec("runs/x.gart")), b"x", "s"))
+    loop.close()
+    ref = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.fault("managed", "kill -9 of a process in the middle of a file:// batch")
+def test_kill_9_mid_batch_leaves_only_whole_objects_and_no_temp(tmp_path):
+    """A child is killed (SIGKILL) while its batch is writing the second object (after its file fsync, before
+    its link): the first object is whole, the second is absent, and no temp file exists (O_TMPFILE path)."""
+    (tmp_path / "runs").mkdir()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.close(r)
+            real_link = os.link
+            n = [0]
+
+            def link(*a, **kw):
+                n[0] += 1
+                if n[0] == 2:
+                    os.write(w, b"!")
+                    time.sleep(30)
+                return real_link(*a, **kw)
+
+            os.link = link
+            ft._write_local_batch([(tmp_path / "runs/1.gart", b"1" * 5000), (tmp_path / "runs/2.gart", b"2" * 5000)])
+        finally:
+            os._exit(1)
+    os.close(w)
+    assert os.read(r, 1) == b"!"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert all_files(tmp_path) == ["runs/1.gart"]
+    assert (tmp_path / "runs/1.gart").read_bytes() == b"1" * 5000
+
+
+def _wait_child(pid, limit_s):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+@pytest.mark.fault("managed", "fork while a file:// batch is in flight")
+def test_fork_while_a_batch_is_in_flight(tmp_path, monkeypatch):
+    """The parent's batch is held in its writer thread when the process forks: the child delivers through a writer
+    of its own at once, and the parent's batch completes."""
+    gate, entered = threading.Event(), threading.Event()
+    real = ft._write_local_batch
+
+    def slow(jobs):
+        if any(d.name == "parent.gart" for d, _ in jobs):
+            entered.set()
+            gate.wait(5)
+        return real(jobs)
+
+    monkeypatch.setattr(ft, "_write_local_batch", slow)
+    t = target(tmp_path)
+
+    def parent_side():
+        asyncio.run(t.deliver(t.validate(spec("runs/parent.gart")), b"p", "s"))
+
+    th = threading.Thread(target=parent_side)
+    th.start()
+    assert entered.wait(2)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            asyncio.run(asyncio.wait_for(t.deliver(t.validate(spec("runs/child.gart")), b"c", "s"), 2))
+            code = 0
+        finally:
+            os._exit(code)
+    assert _wait_child(pid, 1.5) == 0
+    gate.set()
+    th.join(5)
+    assert sorted(os.listdir(tmp_path / "runs")) == ["child.gart", "parent.gart"]
+
+
+@pytest.mark.fault("managed", "fork while another thread holds the file:// writer table lock")
+def test_fork_while_another_thread_holds_the_writer_table_lock(tmp_path):
+    """A fork that happens while another thread is inside the writer table's lock (looking up its executor): the
+    child's own lookup must not wait forever on a lock whose holder does not exist in the child."""
+    t = target(tmp_path)
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with ft._LocalWriter._lock:
+            held.set()
+            release.wait(5)
+
+    th = threading.Thread(target=holder)
+    th.start()
+    assert held.wait(2)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                asyncio.run(t.deliver(t.validate(spec("runs/child.gart")), b"c", "s"))
+                code = 0
+            finally:
+                os._exit(code)
+        assert _wait_child(pid, 1.5) == 0
+    finally:
+        release.set()
+        th.join(5)
+    assert os.listdir(tmp_path / "runs") == ["child.gart"]
+
+
+# ---------------------------------------------------------------------------------------- sizes and volume
+
+
+def test_thousands_of_deliveries_in_one_loop_turn(tmp_path, monkeypatch):
+    """2000 small deliveries asked for in one loop turn, some of them to keys already taken: each gets its own
+    result (stored or object_exists), nothing hangs, nothing is left over, and they go in batches of at most
+    LOCAL_BATCH_MAX_JOBS (fsync is a no-op here: this is about scheduling, not durability)."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    (tmp_path / "runs/d0").mkdir(parents=True)
+    for i in range(0, 2000, 100):
+        (tmp_path / f"runs/d{i % 7}").mkdir(exist_ok=True)
+        (tmp_path / f"runs/d{i % 7}/{i}.gart").write_bytes(b"old")
+    t = target(tmp_path)
+
+    async def main():
+        vs = [t.validate(spec(f"runs/d{i % 7}/{i}.gart")) for i in range(2000)]
+        out = await asyncio.wait_for(asyncio.gather(*(t.deliver(v, b"%d" % i, "s") for i, v in enumerate(vs)),
+                                                    return_exceptions=True), 30)
+        return out, ft._local_writer(f"file://{tmp_path}")
+
+    out, writer = asyncio.run(main())
+    assert writer.objects == 2000 and writer.batches == -(-2000 // ft.LOCAL_BATCH_MAX_JOBS)
+    for i, r in enumerate(out):
+        if i % 100 == 0:
+            assert isinstance(r, DeliveryError) and r.code == "object_exists"
+            assert (tmp_path / f"runs/d{i % 7}/{i}.gart").read_bytes() == b"old"
+        else:
+            assert r == f"disk:runs/d{i % 7}/{i}.gart"
+            assert (tmp_path / f"runs/d{i % 7}/{i}.gart").read_bytes() == b"%d" % i
+    assert len(all_files(tmp_path)) == 2000
+
+
+@pytest.mark.fault("managed", "one file:// batch with more new directories than free file descriptors")
+def test_batch_with_more_directories_than_free_descriptors(tmp_path):
+    """One loop turn of deliveries into more distinct directories than the process may hold descriptors for
+    at once: each is stored as it would be alone (one batch must not hold a descriptor per directory until its
+    end and run out: EMFILE would fail deliveries that alone succeed)."""
+    t = target(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    n = 300
+
+    async def main():
+        vs = [t.validate(spec(f"runs/{i}/x.gart")) for i in range(n)]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 100, hard))
+        try:
+            return await asyncio.gather(*(t.deliver(v, b"%d" % i, "s") for i, v in enumerate(vs)),
+                                        return_exceptions=True)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    ft._LocalWriter.executor(f"file://{tmp_path}")  # its thread exists before the limit is lowered
+    out = asyncio.run(main())
+    assert out == [f"disk:runs/{i}/x.gart" for i in range(n)]
+
+
+@pytest.mark.parametrize("extra, batched", [(0, True), (1, False)])
+def test_objects_at_and_above_the_batch_limit(tmp_path, extra, batched):
+    """An object of exactly LOCAL_BATCH_MAX_BYTES goes through the batch writer, one byte more through its own
+    thread; both are stored whole."""
+    t = target(tmp_path)
+    data = os.urandom(ft.LOCAL_BATCH_MAX_BYTES + extra)
+
+    async def main():
+        await t.deliver(t.validate(spec("runs/edge.gart")), data, "s")
+        return ft._LOCAL_WRITERS.get(asyncio.get_running_loop(), {}).get(f"file://{tmp_path}")
+
+    writer = asyncio.run(main())
+    assert (writer is not None and writer.objects == 1) is batched
+    assert (tmp_path / "runs/edge.gart").read_bytes() == data
