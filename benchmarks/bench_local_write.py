@@ -1,13 +1,20 @@
 """CPU per ``file://`` delivery of the managed_fsspec target: the unnamed write (``O_TMPFILE`` + ``linkat``, the
 default on Linux) ÷ the named-temp fallback (``mkstemp``, link, unlink), same objects, same directory.
 
-    .venv/bin/python benchmarks/bench_local_write.py [--objects 400] [--kib 64] [--rounds 8]
+    .venv/bin/python benchmarks/bench_local_write.py [--objects 400] [--kib 64] [--rounds 8] [--wave 16]
 
 Each round writes ``--objects`` new objects of ``--kib`` KiB through ``_write_local_create_only`` on each side (in a
 rotating order, fresh directory per side and round, fsyncs included as in production) and records the process CPU
 time (user + system, ``time.process_time``) and wall time per object. CPU is the figure that matters for the
 engine's host: a delivery's fsync waits on the disk but leaves the CPU to the engine. Prints the median-of-rounds
 and paired ratios (> 1: the unnamed write costs less).
+
+Second comparison, the delivery path of an event loop (what ``ManagedFsspecTarget.deliver`` does for objects of at
+most ``LOCAL_BATCH_MAX_BYTES``): waves of ``--wave`` deliveries asked for in one loop turn (as when requests finish in
+the same engine step), each side writing the same objects: "batched" goes through the profile's batch writer
+(``_LocalWriter``: one writer-thread hop per batch, one directory fsync per batch), "thread each" is the path before
+it (``asyncio.to_thread(_write_local_create_only, ...)`` per object: a hop and a directory fsync each). Prints process
+CPU and wall time per object and the ratio (> 1: batched costs less).
 """
 
 from __future__ import annotations
@@ -24,16 +31,62 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
 
 
+async def _waves(ft, d: Path, data: bytes, objects: int, wave: int, batched: bool) -> None:
+    import asyncio
+
+    writer = ft._local_writer(f"file://{d.parent}")
+
+    async def one(i: int) -> None:
+        dest = d / f"{i:05d}.gart"
+        if batched:
+            await writer.write(dest, data)
+        else:
+            await asyncio.to_thread(ft._write_local_create_only, dest, data)
+
+    for w in range(0, objects, wave):
+        await asyncio.gather(*(one(i) for i in range(w, min(w + wave, objects))))
+
+
+def delivery_path(ft, root: Path, data: bytes, args) -> None:
+    """The batch writer ÷ a thread per delivery, in waves of ``args.wave`` per loop turn (see the module doc)."""
+    import asyncio
+
+    sides = ["batched", "thread each"]
+    cpu: dict[str, list[float]] = {s: [] for s in sides}
+    wall: dict[str, list[float]] = {s: [] for s in sides}
+    for r in range(args.rounds):
+        for side in rotation(sides, r):
+            d = root / f"path-{side.replace(' ', '-')}-{r}"
+            d.mkdir()
+            ft._write_local_create_only(d / "warm", data)
+            c0, w0 = time.process_time(), time.perf_counter()
+            asyncio.run(_waves(ft, d, data, args.objects, args.wave, side == "batched"))
+            cpu[side].append((time.process_time() - c0) / args.objects)
+            wall[side].append((time.perf_counter() - w0) / args.objects)
+            assert len(os.listdir(d)) == args.objects + 1, f"{side}: objects missing"
+            shutil.rmtree(d)
+    print(f"delivery path: {args.objects} objects x {args.kib} KiB per side and round in waves of {args.wave} per "
+          f"loop turn, {args.rounds} rounds; {load_line()}")
+    for side in sides:
+        print(side_line(f"{side} CPU/object", [v * 1e6 for v in cpu[side]], "us", higher_is_better=False))
+        print(side_line(f"{side} wall/object", [v * 1e6 for v in wall[side]], "us", higher_is_better=False))
+    print(ratio_line("file:// delivery CPU per object, thread each / batched", cpu["batched"], cpu["thread each"],
+                     higher_is_better=False))
+    print(ratio_line("file:// delivery wall per object, thread each / batched", wall["batched"], wall["thread each"],
+                     higher_is_better=False))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--objects", type=int, default=400)
     ap.add_argument("--kib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--dir", default=None, help="parent directory for the objects (default: the system temp dir)")
+    ap.add_argument("--wave", type=int, default=16, help="deliveries per event-loop turn (delivery-path comparison)")
     add_smoke(ap)
     args = ap.parse_args()
     if args.smoke:
-        args.objects, args.kib, args.rounds = 5, 1, 1
+        args.objects, args.kib, args.rounds, args.wave = 5, 1, 1, 2
     import genartifact_fsspec_target as ft
 
     if not ft._O_TMPFILE:
@@ -58,6 +111,8 @@ def main() -> None:
                 left = sorted(p.name for p in d.iterdir() if p.name.startswith(ft.TEMP_PREFIX))
                 assert not left, f"{side}: temp files left: {left[:3]}"
                 shutil.rmtree(d)
+        ft._O_TMPFILE = real
+        delivery_path(ft, root, data, args)
     finally:
         ft._O_TMPFILE = real
         shutil.rmtree(root, ignore_errors=True)
