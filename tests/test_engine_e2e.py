@@ -114,3 +114,37 @@ async def test_per_request_seed_refused_before_engine_work_on_cpu(engine, tmp_pa
         await engine.run(ids, {"max_tokens": 3, "seed": 1}, spec(), settings(tmp_path))
     stats = await engine.worker_call("moe_routes.stats")
     assert stats[0]["requests"] == 0
+
+
+async def test_prompts_reach_vllm_rendered_without_the_renderer_thread_hop(engine, tmp_path, monkeypatch):
+    """The adapter hands vLLM the prompt already rendered by the engine's own renderer (``TokensInput``), so
+    ``AsyncLLM.add_request`` takes it as is instead of rendering it on its thread pool (one hop per request:
+    ``InputProcessor.process_inputs_async``); the request and its artifact are unchanged by that."""
+    from genartifact.engine.vllm_adapter import engine_input
+
+    ip = engine.llm.input_processor
+    hops = []
+    real = ip.process_inputs_async
+
+    async def counting(*a, **kw):
+        hops.append(1)
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(ip, "process_inputs_async", counting)
+    ids = engine.tokenizer(TEXTS[0])["input_ids"]
+    rendered = engine_input(engine.llm, ids)
+    assert rendered["type"] == "token" and rendered["prompt_token_ids"] == ids
+    res = await engine.run(ids, {"max_tokens": 5, "temperature": 0.0}, spec(), settings(tmp_path))
+    assert hops == [] and res.receipt["state"] == "ready"
+    art = read(tmp_path, res.receipt)
+    assert art.token_ids.tolist() == ids + res.completion_token_ids
+
+
+async def test_engine_input_falls_back_to_the_raw_prompt_without_a_renderer():
+    """An engine without vLLM 0.32's renderer (another version, a stand-in) gets the raw ``TokensPrompt``."""
+    from genartifact.engine.vllm_adapter import engine_input
+
+    class Bare:
+        pass
+
+    assert engine_input(Bare(), (3, 4)) == {"prompt_token_ids": [3, 4]}
