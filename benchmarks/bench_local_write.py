@@ -67,13 +67,18 @@ def delivery_path(ft, root: Path, data: bytes, args) -> None:
             shutil.rmtree(d)
     print(f"delivery path: {args.objects} objects x {args.kib} KiB per side and round in waves of {args.wave} per "
           f"loop turn, {args.rounds} rounds; {load_line()}")
+    report("file:// delivery", sides, cpu, wall)
+
+
+def report(what: str, sides: list[str], cpu: dict[str, list[float]], wall: dict[str, list[float]]) -> None:
+    """Per side CPU and wall µs per object, then the ratios ``sides[1]`` / ``sides[0]`` (> 1: ``sides[0]`` costs
+    less)."""
     for side in sides:
         print(side_line(f"{side} CPU/object", [v * 1e6 for v in cpu[side]], "us", higher_is_better=False))
         print(side_line(f"{side} wall/object", [v * 1e6 for v in wall[side]], "us", higher_is_better=False))
-    print(ratio_line("file:// delivery CPU per object, thread each / batched", cpu["batched"], cpu["thread each"],
-                     higher_is_better=False))
-    print(ratio_line("file:// delivery wall per object, thread each / batched", wall["batched"], wall["thread each"],
-                     higher_is_better=False))
+    a, b = sides
+    for kind, per in (("CPU", cpu), ("wall", wall)):
+        print(ratio_line(f"{what} {kind} per object, {b} / {a}", per[a], per[b], higher_is_better=False))
 
 
 def main() -> None:
@@ -117,13 +122,7 @@ def main() -> None:
         ft._O_TMPFILE = real
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.objects} objects x {args.kib} KiB per side and round, {args.rounds} rounds; {load_line()}")
-    for side in ("unnamed", "named"):
-        print(side_line(f"{side} CPU/object", [v * 1e6 for v in cpu[side]], "us", higher_is_better=False))
-        print(side_line(f"{side} wall/object", [v * 1e6 for v in wall[side]], "us", higher_is_better=False))
-    print(ratio_line("local write CPU per object, named / unnamed", cpu["unnamed"], cpu["named"],
-                     higher_is_better=False))
-    print(ratio_line("local write wall per object, named / unnamed", wall["unnamed"], wall["named"],
-                     higher_is_better=False))
+    report("local write", ["unnamed", "named"], cpu, wall)
 
 
 if __name__ == "__main__":

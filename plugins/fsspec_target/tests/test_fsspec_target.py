@@ -123,28 +123,11 @@ def test_local_write_failure_leaves_nothing(write_path, tmp_path):
     assert e.value.code == "delivery_failed" and str(tmp_path) not in str(e.value)
 
 
-def test_local_write_syncs_the_file_then_the_directory_after_publishing(write_path, tmp_path, monkeypatch):
+def test_local_write_syncs_the_file_then_the_directory_after_publishing(write_path, tmp_path, sync_events):
     """The receipt must not outrun the disk: the object's bytes are fsynced before the link, and the directory
     (holding the new name) after it, so a power loss right after ``ready`` cannot lose the key. Directories made
     for the key have their own names synced too (each new directory's parent); existing ones are not synced."""
-    import stat
-
-    events = []
-    real_fsync, real_link = os.fsync, os.link
-
-    def fsync(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            events.append(("fsync_dir", os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path)))
-        else:
-            events.append("fsync_file")
-        return real_fsync(fd)
-
-    def link(src, dst, **kw):
-        events.append("link")
-        return real_link(src, dst, **kw)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "link", link)
+    events = sync_events(tmp_path)
     t = target(tmp_path / "root")
     v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/a/b.gart"})
     asyncio.run(t.deliver(v, b"bytes", "x"))

@@ -24,31 +24,12 @@ def spec(key):
     return {"kind": "managed_fsspec", "profile": "disk", "object_key": key}
 
 
-def record_syncs(monkeypatch, root, events):
-    real_fsync, real_link = os.fsync, os.link
-
-    def fsync(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            events.append(("fsync_dir", os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), root)))
-        else:
-            events.append("fsync_file")
-        return real_fsync(fd)
-
-    def link(src, dst, **kw):
-        events.append("link")
-        return real_link(src, dst, **kw)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "link", link)
-
-
-def test_one_loop_turn_is_one_batch_with_one_directory_fsync(tmp_path, monkeypatch):
+def test_one_loop_turn_is_one_batch_with_one_directory_fsync(tmp_path, sync_events):
     """Eight deliveries asked for in one loop turn: one batch (one hop to the writer thread), eight file fsyncs
     and links, then the key directory synced once, after the last link — every key durable before any result."""
     t = target(tmp_path)
     (tmp_path / "runs").mkdir()
-    events: list = []
-    record_syncs(monkeypatch, tmp_path, events)
+    events = sync_events(tmp_path)
 
     async def main():
         vs = [t.validate(spec(f"runs/{i}.gart")) for i in range(8)]
@@ -131,11 +112,10 @@ def test_batch_directory_sync_failure_fails_exactly_that_directorys_keys(tmp_pat
     assert os.listdir(tmp_path / "runs/good") == ["2.gart"]
 
 
-def test_new_directories_synced_once_per_parent_in_a_batch(tmp_path, monkeypatch):
+def test_new_directories_synced_once_per_parent_in_a_batch(tmp_path, sync_events):
     """Two keys under two new directories with a new common parent: both key directories are synced, and each
     new directory's parent once (``runs`` holds both new names), after every link."""
-    events: list = []
-    record_syncs(monkeypatch, tmp_path, events)
+    events = sync_events(tmp_path)
     res = ft._write_local_batch([(tmp_path / "runs/a/1.gart", b"1"), (tmp_path / "runs/b/2.gart", b"2")])
     assert res == [None, None]
     assert events == ["fsync_file", "link", "fsync_file", "link", ("fsync_dir", "runs/a"), ("fsync_dir", "runs"),
