@@ -393,7 +393,8 @@ class ArtifactSession:
         was cancelled (and the session released) still checks and stores against them."""
         did = None  # journal delivery id: every intent gets an outcome, whatever happens after it
         try:
-            assert validated is not None, "session released before its operation started"
+            if validated is None:  # released before its operation started: internal_error below, slot released
+                raise RuntimeError("session released before its operation started")
             try:
                 readers = getattr(self, "_readers", None)
                 if _input_nbytes(inp) <= INLINE_ENCODE_BYTES:  # a thread hop costs more than encoding it here

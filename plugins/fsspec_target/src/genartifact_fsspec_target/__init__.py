@@ -542,26 +542,23 @@ class _LocalWriter:
         try:
             done = self.executor(self.root).submit(_write_local_batch, [(d, b) for d, b, _ in batch])
         except Exception as e:  # noqa: BLE001 - no writer thread to be had (interpreter shutdown): fail, never hang
-            from concurrent.futures import Future
-
-            done = Future()
-            done.set_exception(e)
-            self._finish(batch, done)
+            self._finish(batch, _writer_failed(batch, e))
             return
         done.add_done_callback(lambda f: self._post(batch, f))
 
     def _post(self, batch: list[tuple[Path, bytes, asyncio.Future[None]]], done: Any) -> None:
-        try:  # (the batch's futures hold their loop while it is in the thread)
-            batch[0][2].get_loop().call_soon_threadsafe(self._finish, batch, done)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
-
-    def _finish(self, batch: list[tuple[Path, bytes, asyncio.Future[None]]], done: Any) -> None:
+        """In the writer thread: hand the batch's results to its loop."""
         try:
             results = done.result()
         except BaseException as e:  # noqa: BLE001 - the writer itself broke (e.g. interpreter shutdown)
-            log.warning("managed_write_failed", error_type=type(e).__name__)
-            results = [DeliveryError("managed artifact write failed") for _ in batch]  # one per raise
+            results = _writer_failed(batch, e)
+        try:  # (the batch's futures hold their loop while it is in the thread)
+            batch[0][2].get_loop().call_soon_threadsafe(self._finish, batch, results)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _finish(self, batch: list[tuple[Path, bytes, asyncio.Future[None]]],
+                results: list[DeliveryError | None]) -> None:
         for (_, _, fut), err in zip(batch, results, strict=True):
             if fut.done():  # the caller stopped waiting (timeout, cancellation); the object is written anyway
                 continue
@@ -573,6 +570,12 @@ class _LocalWriter:
             self._send()
         else:
             self.busy = False
+
+
+def _writer_failed(batch: Sequence[Any], e: BaseException) -> list[DeliveryError | None]:
+    """Results of a batch the writer thread could not write at all: ``delivery_failed`` each (one error per job)."""
+    log.warning("managed_write_failed", error_type=type(e).__name__)
+    return [DeliveryError("managed artifact write failed") for _ in batch]
 
 
 def _reset_writer_lock() -> None:
