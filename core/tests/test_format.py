@@ -15,6 +15,7 @@ import pytest
 import zstandard
 from genartifact import format as fmt
 from genartifact.errors import ArtifactFormatError
+from genartifact.testing import wait_child
 
 
 def sample_input(rows_extra: int = 0, logprobs: np.ndarray | None = None) -> fmt.ArtifactInput:
@@ -517,7 +518,7 @@ def test_encode_in_a_child_forked_while_the_pool_lock_was_held(monkeypatch):
             os._exit(code)
     release.set()
     t.join()
-    assert _child_exit(pid) == 0, "child: -14 or 'hung' means it waited forever"
+    assert wait_child(pid) == 0, "child: -14 or 'hung' means it waited forever"
 
 
 @pytest.mark.fault("encoder", "concurrent multi-threaded encodes")
@@ -616,21 +617,6 @@ def test_an_encode_reentered_mid_frame_does_not_corrupt_the_outer_frame(monkeypa
     assert inner == [GOLDEN_MULTI_JOB_SHA256]
 
 
-def _child_exit(pid: int, timeout: float = 60.0) -> int | str:
-    """The exit code of forked child ``pid``, or ``"hung"`` (then it is killed) when it has not ended after
-    ``timeout`` seconds: the parent must not wait forever on a child stuck before its own alarm could be set
-    (inside the interpreter's after-fork clean-up)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return "hung"
-
-
 def _fork_and_encode() -> int | str:
     """Fork; the child encodes ``multi_job_input()`` and exits 0 when it got the pinned bytes."""
     pid = os.fork()
@@ -641,7 +627,7 @@ def _fork_and_encode() -> int | str:
             code = 0 if fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256 else 4
         finally:
             os._exit(code)
-    return _child_exit(pid)
+    return wait_child(pid)
 
 
 @pytest.mark.fault("encoder", "fork after multi-threaded encodes in this and other threads (zstd workers not forked)")

@@ -17,17 +17,7 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_format import multi_job_input, GOLDEN_MULTI_JOB_SHA256
 from genartifact import format as fmt
 from genartifact.errors import ArtifactFormatError
-
-def wait_child(pid, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return "hung"
+from genartifact.testing import wait_child
 
 RealSink = fmt._HashingSink
 
@@ -100,7 +90,7 @@ if pid == 0:
     del kept  # the child frees the traceback's frames, then ends through interpreter shutdown
     ok = fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256
     sys.exit(0 if ok else 4)
-code = wait_child(pid)
+code = wait_child(pid, 30.0)
 assert fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256
 print(code)
 """)
@@ -135,7 +125,7 @@ except BaseException:
     raise
 if children == ["me"]:
     os._exit(8)  # the child finished the frame: it must not
-code = wait_child(children[0])
+code = wait_child(children[0], 30.0)
 fmt._validate_contents = real_validate
 assert sha == GOLDEN_MULTI_JOB_SHA256
 assert fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256
@@ -167,7 +157,7 @@ except BaseException:
     raise
 if children == ["me"]:
     os._exit(8)
-code = wait_child(children[0])
+code = wait_child(children[0], 30.0)
 unpatch()
 assert sha == GOLDEN_MULTI_JOB_SHA256
 assert fmt.encode(multi_job_input()).sha256 == GOLDEN_MULTI_JOB_SHA256

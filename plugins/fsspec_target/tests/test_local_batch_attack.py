@@ -19,6 +19,7 @@ import weakref
 import genartifact_fsspec_target as ft
 import pytest
 from genartifact.errors import DeliveryError
+from genartifact.testing import wait_child
 from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles
 
 
@@ -375,18 +376,6 @@ def test_kill_9_mid_batch_leaves_only_whole_objects_and_no_temp(tmp_path):
     assert (tmp_path / "runs/1.gart").read_bytes() == b"1" * 5000
 
 
-def _wait_child(pid, limit_s):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return "hung"
-
-
 @pytest.mark.fault("managed", "fork while a file:// batch is in flight")
 def test_fork_while_a_batch_is_in_flight(tmp_path, monkeypatch):
     """The parent's batch is held in its writer thread when the process forks: the child delivers through a writer
@@ -417,7 +406,7 @@ def test_fork_while_a_batch_is_in_flight(tmp_path, monkeypatch):
             code = 0
         finally:
             os._exit(code)
-    assert _wait_child(pid, 1.5) == 0
+    assert wait_child(pid, 1.5) == 0
     gate.set()
     th.join(5)
     assert sorted(os.listdir(tmp_path / "runs")) == ["child.gart", "parent.gart"]
@@ -447,7 +436,7 @@ def test_fork_while_another_thread_holds_the_writer_table_lock(tmp_path):
                 code = 0
             finally:
                 os._exit(code)
-        assert _wait_child(pid, 1.5) == 0
+        assert wait_child(pid, 1.5) == 0
     finally:
         release.set()
         th.join(5)

@@ -352,5 +352,23 @@ async def arun_session(host: Any, contents: Sequence[str], prompt: Sequence[int]
     return SessionResult(receipt, data, art, s, params)
 
 
+def wait_child(pid: int, timeout_s: float = 60.0) -> int | str:
+    """The exit code of forked child ``pid`` (``os.waitstatus_to_exitcode``: negative for a signal), or ``"hung"``
+    when it has not ended after ``timeout_s`` seconds — then it is killed (SIGKILL) and reaped. For fork-safety tests
+    (a child that inherited a lock or a writer thread mid-operation): the parent never waits forever on a child
+    stuck before its own alarm could be set (e.g. inside the interpreter's after-fork clean-up)."""
+    import signal
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
 __all__ = ["TINY_MOE_CONFIG", "FakeEngine", "MemoryTarget", "MemoryTargetPlugin", "SessionResult", "arun_session",
-           "deltas", "hookimpl", "make_host", "model_info", "run_session"]
+           "deltas", "hookimpl", "make_host", "model_info", "run_session", "wait_child"]
