@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,11 +89,16 @@ def main() -> None:
         for flag in sides.values():  # warm-up
             asyncio.run(round_(base, min(16, args.requests), args.concurrency, 8, flag))
         res: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+        # the server's own process (HTTP, driver, delivery; not its engine core and workers, which busy-poll):
+        # CPU seconds per request, a load-robust measure of the per-request work artifacts add there
+        p = psutil.Process(proc.pid)
+        cpu: dict[str, list[float]] = {k: [] for k in sides}
         for r in range(args.rounds):
             for side in rotation(list(sides), r):
+                c0 = sum(p.cpu_times()[:2])
                 res[side].append(asyncio.run(round_(base, args.requests, args.concurrency, args.max_tokens,
                                                     sides[side])))
-        p = psutil.Process(proc.pid)
+                cpu[side].append((sum(p.cpu_times()[:2]) - c0) / args.requests)
         rss = sum(x.memory_info().rss for x in [p, *p.children(recursive=True)])
     finally:
         proc.terminate()
@@ -107,6 +113,9 @@ def main() -> None:
                      ">= 0.95"))
     print(ratio_line("serving with / without artifacts, tokens/s", [x[1] for x in on], [x[1] for x in off],
                      ">= 0.95"))
+    w, wo = (statistics.median(cpu[k]) * 1e6 for k in sides)
+    print(f"  server process CPU per request, median of rounds: with {w:.0f} us, without {wo:.0f} us; artifacts add "
+          f"{w - wo:.0f} us")
     print(f"  server RSS (all processes) after the run: {rss / 1e6:.0f} MB")
 
 

@@ -57,21 +57,59 @@ def side_line(label: str, values: list[float], unit: str, higher_is_better: bool
             f"({len(values)} rounds)")
 
 
+#: two-sided 95 % Student-t quantiles t(0.975, df) for df = 1..30 (beyond: 1.96, the normal quantile)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_interval(paired: list[float]) -> tuple[float, float, float]:
+    """``(geometric mean, low, high)`` of per-round paired ratios: the geometric mean (ratios multiply, so their
+    logs average) and its two-sided 95 % Student-t interval on the log ratios (mean ± t(0.975, n-1) · s/√n,
+    the standard interval for a mean of n paired differences; exponentiated back). With one round the interval
+    is that round. The interval is what a goal is judged on: rounds of one run spread by 10 % or more on the
+    project's 2-core boxes, so a median of six rounds cannot tell 0.93 from 0.97."""
+    logs = np.log(np.asarray(paired, dtype=np.float64))
+    n = logs.size
+    mean = float(logs.mean())
+    if n < 2:
+        return float(np.exp(mean)), float(np.exp(mean)), float(np.exp(mean))
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * float(logs.std(ddof=1)) / np.sqrt(n)
+    return float(np.exp(mean)), float(np.exp(mean - half)), float(np.exp(mean + half))
+
+
+def verdict(low: float, high: float, target: str) -> str:
+    """How an interval ``[low, high]`` of a ratio stands against a ``target`` of the form ``>= x`` (else ""):
+    ``met`` (all of it at or above x), ``not met`` (all of it below) or ``undecided`` (x inside: more rounds)."""
+    parts = target.split()
+    if len(parts) < 2 or parts[0] != ">=":
+        return ""
+    try:
+        x = float(parts[1])
+    except ValueError:
+        return ""
+    return "met" if low >= x else "not met" if high < x else "undecided"
+
+
 def ratio_line(label: str, num: list[float], den: list[float], target: str = "",
                higher_is_better: bool = True) -> str:
     """``RATIO <label>``: a same-run ratio of two sides measured in alternated rounds, as median-of-rounds ratio,
-    best-round ratio and the per-round paired ratios (and their median). ``num``/``den`` are per-round rates
-    (higher is better, e.g. tokens/s) or, with ``higher_is_better=False``, per-round times in seconds, in
-    which case the ratio is den/num (so > 1 still means ``num``'s side is faster)."""
+    best-round ratio, the per-round paired ratios (and their median), and the paired ratios' geometric mean with
+    its 95 % interval (:func:`paired_interval`) and, for a ``>= x`` target, the :func:`verdict` on that
+    interval. ``num``/``den`` are per-round rates (higher is better, e.g. tokens/s) or, with
+    ``higher_is_better=False``, per-round times in seconds, in which case the ratio is den/num (so > 1 still
+    means ``num``'s side is faster)."""
     if higher_is_better:
         med, best = statistics.median(num) / statistics.median(den), max(num) / max(den)
         paired = [a / b for a, b in zip(num, den, strict=True)]
     else:
         med, best = statistics.median(den) / statistics.median(num), min(den) / min(num)
         paired = [b / a for a, b in zip(num, den, strict=True)]
-    t = f"  (target {target})" if target else ""
+    gm, lo, hi = paired_interval(paired)
+    v = verdict(lo, hi, target) if len(paired) > 1 else ""  # one round has no interval to judge
+    t = f"  (target {target}{': ' + v if v else ''})" if target else ""
     return (f"RATIO {label}: median-of-rounds {med:.3f}, best-round {best:.3f}, paired per round "
-            f"[{', '.join(f'{p:.3f}' for p in paired)}] median {statistics.median(paired):.3f}{t}")
+            f"[{', '.join(f'{p:.3f}' for p in paired)}] median {statistics.median(paired):.3f}, "
+            f"geomean {gm:.3f} [95% CI {lo:.3f}, {hi:.3f}]{t}")
 
 
 def load_line() -> str:

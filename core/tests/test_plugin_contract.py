@@ -605,6 +605,23 @@ def test_inline_sizing_is_bounded_whatever_the_section():
     assert session_mod._input_nbytes(fmt.ArtifactInput([1, 2, 3], 1, ["c"], {"c": {}}, [])) <= limit  # a list
 
 
+def test_inline_sizing_counts_subclasses_and_plain_types_alike():
+    """The exact-type fast paths of the sizing walk give what the general (ABC) path gives."""
+    import collections
+
+    class S(str):
+        pass
+
+    class L(list):
+        pass
+
+    plain = {"a": [1, 2.5, True, None, "xyz"], "b": {"c": (1, 2)}}
+    odd = collections.OrderedDict(a=L([1, 2.5, True, None, S("xyz")]), b=collections.UserDict(c=(1, 2)))
+    limit = 10**6
+    assert session_mod._json_size_upto(plain, 0, limit) == session_mod._json_size_upto(odd, 0, limit) > 0
+    assert session_mod._json_size_upto({S("k"): 1}, 0, limit) == session_mod._json_size_upto({"k": 1}, 0, limit)
+
+
 @pytest.mark.fault("plugin", "CaptureError message carrying a presigned URL")
 @pytest.mark.parametrize("where", ["on_delta", "collect", "finalize"])
 def test_capture_error_messages_are_redacted_in_the_log(where):

@@ -236,27 +236,30 @@ class ArtifactSession:
         :raises CaptureError: prompt length changed, completion beyond ``max_tokens``, a producer's data
             out of bounds, or retained bytes above the admitted budget.
         """
-        self._require_admitted()
+        if self._validated is None:
+            raise CaptureError("session not admitted (call admit() before inference)")
         if self._finished:
             raise CaptureError("delta received after the final delta")
         n_prompt = len(delta.prompt_token_ids)  # no per-delta copy: O(1) check after the first delta
-        if self._prompt is None:
+        prompt = self._prompt
+        if prompt is None:
             if n_prompt != self.prompt_token_count:
                 raise CaptureError(f"engine prompt has {n_prompt} tokens; admitted {self.prompt_token_count}")
             self._prompt = list(delta.prompt_token_ids)
-        elif n_prompt != len(self._prompt):
-            raise CaptureError(f"prompt length changed from {len(self._prompt)} to {n_prompt} tokens")
-        if len(self._completion) + len(delta.new_token_ids) > self.max_tokens:
+        elif n_prompt != len(prompt):
+            raise CaptureError(f"prompt length changed from {len(prompt)} to {n_prompt} tokens")
+        completion, new = self._completion, delta.new_token_ids
+        if len(completion) + len(new) > self.max_tokens:
             raise CaptureError(
-                f"completion reached {len(self._completion) + len(delta.new_token_ids)} tokens; admitted max_tokens {self.max_tokens}"
+                f"completion reached {len(completion) + len(new)} tokens; admitted max_tokens {self.max_tokens}"
             )
         try:
-            self._completion.extend(delta.new_token_ids)
+            completion.extend(new)
         except OverflowError:
             raise CaptureError("token id out of range 0..2**32-1") from None
         # only the producers fed per delta (the others retain nothing between collects), then the budget
         if self._delta_producers:
-            retained = TOKEN_BYTES * (n_prompt + len(self._completion))
+            retained = TOKEN_BYTES * (n_prompt + len(completion))
             for p in self._delta_producers:
                 p.on_delta(delta)
                 retained += p.retained_bytes()
@@ -551,16 +554,17 @@ def _json_size_upto(obj: Any, n: int, limit: int) -> int:
     stack = [obj]
     while stack:
         o = stack.pop()
-        if isinstance(o, str):
+        t = type(o)  # exact built-in types first: the ABC checks below cost more than the walk itself
+        if t is str or isinstance(o, str):
             n += len(o) + 2
-        elif isinstance(o, Mapping):
+        elif t is dict or (t is not list and isinstance(o, Mapping)):
             n += 2 + 4 * len(o)
             if n > limit:
                 return n
             for k, v in o.items():
-                n += len(k) if isinstance(k, str) else 24
+                n += len(k) if type(k) is str or isinstance(k, str) else 24
                 stack.append(v)
-        elif isinstance(o, (list, tuple)):
+        elif t is list or t is tuple or isinstance(o, (list, tuple)):
             n += 2 + len(o)
             if n > limit:
                 return n
