@@ -8,6 +8,11 @@ Sustained load: each round runs --requests requests with at most --inflight in f
 
 * "on": every request asks for moe_routes + selected_logprobs (worker capture, encode, file:// delivery);
 * "off (same engine)": plain requests on the same genartifact engine;
+* "worker capture only": plain requests on the same engine whose ``SamplingParams.extra_args`` carry the capture
+  ids (each content plugin's ``CAPTURE_KEY``), so the workers capture and hand over exactly as for "on", while the
+  driver does no artifact work (no admission, no collect, no encode, no delivery; the rows are dropped after the
+  round): "worker capture only" ÷ "off" is the workers' share of the cost, "on" ÷ "worker capture only" the
+  driver's;
 * "off (plain engine)": a second ``AsyncLLM``, alive at the same time, built with exactly the product's engine
   options (``engine_options`` + ``cpu_mla_fallback``: skip_tokenizer_init, fp32, eager, no prefix caching, same
   seed) but without genartifact's worker init (no capture hooks, no session, no receipts), driven directly with
@@ -96,6 +101,46 @@ def plain_params(max_tokens: int, skip_tokenizer: bool, eos: int | None):
     return SamplingParams(**s, output_kind=kind)
 
 
+#: each content's worker capture key (``SamplingParams.extra_args``), from its plugin, for the "worker capture only" side
+def capture_keys() -> dict[str, str]:
+    from genartifact_logprobs.worker import CAPTURE_KEY as LOGPROBS_KEY
+    from genartifact_route_capture import CAPTURE_KEY as ROUTES_KEY
+
+    return {"moe_routes": ROUTES_KEY, "selected_logprobs": LOGPROBS_KEY}
+
+
+async def worker_only_round(engine, ids_list, max_tokens) -> float:
+    """Plain requests flagged for worker capture of every content in ``CONTENTS`` (the driver does nothing with
+    the rows); returns tokens/s, then drops the rows (not timed: handover files read and deleted, or by RPC with
+    --rpc-fetch)."""
+    from genartifact.engine.worker_ext import discard_capture
+
+    keys = capture_keys()
+    gate = asyncio.Semaphore(INFLIGHT[0])
+    flagged: list[tuple[str, str]] = []
+
+    async def one(ids):
+        async with gate:
+            cids = {c: uuid.uuid4().hex for c in CONTENTS}
+            flagged.extend(cids.items())
+            s = {**sampling(max_tokens, False), "extra_args": {keys[c]: cid for c, cid in cids.items()}}
+            n = 0
+            async for delta, _ in engine.stream(ids, s, final_only=not STREAM[0]):
+                n += len(delta.new_token_ids)
+            return n
+
+    t0 = time.perf_counter()
+    n = sum(await asyncio.gather(*(one(ids) for ids in ids_list)))
+    dt = time.perf_counter() - t0
+    ho = engine.handover
+    for content, cid in flagged:  # handed over: read and deleted (the last wave's files come a step later)
+        if ho is not None and content in ho.contents:
+            await ho.take(content, cid, wait_s=1.0)
+        else:
+            await discard_capture(engine, content, cid)
+    return n / dt
+
+
 async def plain_round(llm, ids_list, max_tokens, params_of) -> float:
     from genartifact.engine.vllm_adapter import engine_input
 
@@ -127,7 +172,7 @@ async def main_async(args) -> None:
     llm = None
     try:
         ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
-        sides = ["on", "off (same engine)"]
+        sides = ["on", "off (same engine)", "worker capture only"]
         if not args.skip_plain:
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -151,6 +196,8 @@ async def main_async(args) -> None:
                 return tps
             if side == "off (same engine)":
                 return (await round_(eng, ids_list, max_tokens, False, root))[0]
+            if side == "worker capture only":
+                return await worker_only_round(eng, ids_list, max_tokens)
             return await plain_round(llm, ids_list, max_tokens, params_of)
 
         peaks: list[float] = []
@@ -175,6 +222,9 @@ async def main_async(args) -> None:
     for side in sides:
         print(side_line(side, tps[side], "tok/s"))
     print(ratio_line("capture on / off (same engine)", tps["on"], tps["off (same engine)"], ">= 0.95"))
+    print(ratio_line("worker capture only / off (same engine): the workers' share", tps["worker capture only"],
+                     tps["off (same engine)"]))
+    print(ratio_line("capture on / worker capture only: the driver's share", tps["on"], tps["worker capture only"]))
     if not args.skip_plain:
         print(ratio_line("capture on / off (plain engine)", tps["on"], tps["off (plain engine)"], ">= 0.95"))
         print(ratio_line("off (same engine) / off (plain engine)", tps["off (same engine)"],
