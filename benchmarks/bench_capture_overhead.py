@@ -101,8 +101,9 @@ def plain_params(max_tokens: int, skip_tokenizer: bool, eos: int | None):
     return SamplingParams(**s, output_kind=kind)
 
 
-#: each content's worker capture key (``SamplingParams.extra_args``), from its plugin, for the "worker capture only" side
 def capture_keys() -> dict[str, str]:
+    """Each content's worker capture key (``SamplingParams.extra_args``), from its plugin, for the "worker capture
+    only" side."""
     from genartifact_logprobs.worker import CAPTURE_KEY as LOGPROBS_KEY
     from genartifact_route_capture import CAPTURE_KEY as ROUTES_KEY
 
@@ -111,8 +112,8 @@ def capture_keys() -> dict[str, str]:
 
 async def worker_only_round(engine, ids_list, max_tokens) -> float:
     """Plain requests flagged for worker capture of every content in ``CONTENTS`` (the driver does nothing with
-    the rows); returns tokens/s, then drops the rows (not timed: handover files read and deleted, or by RPC with
-    --rpc-fetch)."""
+    the rows); returns tokens/s, then drops the rows (not in the tokens/s: handover files read and deleted, or by
+    RPC with --rpc-fetch; that cleanup does count in this side's driver CPU per request, ~2 file reads each)."""
     from genartifact.engine.worker_ext import discard_capture
 
     keys = capture_keys()

@@ -113,7 +113,7 @@ def main() -> None:
                      ">= 0.95"))
     print(ratio_line("serving with / without artifacts, tokens/s", [x[1] for x in on], [x[1] for x in off],
                      ">= 0.95"))
-    w, wo = (statistics.median(cpu[k]) * 1e6 for k in sides)
+    w, wo = (statistics.median(cpu[k]) * 1e6 for k in ("with artifacts", "without artifacts"))
     print(f"  server process CPU per request, median of rounds: with {w:.0f} us, without {wo:.0f} us; artifacts add "
           f"{w - wo:.0f} us")
     print(f"  server RSS (all processes) after the run: {rss / 1e6:.0f} MB")

@@ -236,8 +236,7 @@ class ArtifactSession:
         :raises CaptureError: prompt length changed, completion beyond ``max_tokens``, a producer's data
             out of bounds, or retained bytes above the admitted budget.
         """
-        if self._validated is None:
-            raise CaptureError("session not admitted (call admit() before inference)")
+        self._require_admitted()
         if self._finished:
             raise CaptureError("delta received after the final delta")
         n_prompt = len(delta.prompt_token_ids)  # no per-delta copy: O(1) check after the first delta
@@ -557,7 +556,7 @@ def _json_size_upto(obj: Any, n: int, limit: int) -> int:
         t = type(o)  # exact built-in types first: the ABC checks below cost more than the walk itself
         if t is str or isinstance(o, str):
             n += len(o) + 2
-        elif t is dict or (t is not list and isinstance(o, Mapping)):
+        elif t is dict or isinstance(o, Mapping):
             n += 2 + 4 * len(o)
             if n > limit:
                 return n
