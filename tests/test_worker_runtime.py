@@ -4,6 +4,7 @@ runner has ``execute_model``/``sample_tokens``, fake captures registered through
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -331,6 +332,29 @@ async def test_handover_writes_finished_rows_out_of_band_and_fetch_needs_no_rpc(
     assert not (tmp_path / ho.dir).exists()
 
 
+async def test_requests_finishing_in_one_step_are_handed_over_in_one_file(tmp_path):
+    """Three flagged requests that finish in the same engine step: the worker writes one step file for all of them
+    (one write on the engine's critical path, one read on the driver's), and each capture is taken from it."""
+    from genartifact.engine.worker_ext import Handover
+
+    ho = Handover(str(tmp_path))
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host())
+    ho.contents = {"fake"}
+    eng = HandoverEngine(rt, ho)
+    mr = w.model_runner
+    new = [NS(req_id=f"r{i}", sampling_params=NS(extra_args={"fake_id": f"c{i}"})) for i in range(3)]
+    mr.execute_model(step(new, sched={f"r{i}": 2 + i for i in range(3)}))
+    mr.sample_tokens(None)
+    mr.execute_model(step(finished=["r0", "r1", "r2"]))
+    on_disk = sorted(n for n in os.listdir(ho.dir) if n != "token")
+    assert len(on_disk) == 1 and on_disk[0].startswith("step.") and rt.handover_written == 3
+    for i in range(3):
+        assert (await fetch_capture(eng, "fake", f"c{i}"))["rows"] == [2 + i]
+    assert eng.rpcs == [] and ho.files() == [] and ho.taken == 3 and os.listdir(ho.dir) == ["token"]
+    ho.close()
+
+
 async def _fetch_no_wait(eng, cid):
     import genartifact.engine.worker_ext as wx
 
@@ -493,16 +517,40 @@ async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_fil
 @pytest.mark.fault("worker", "handover file that is not a worker's answer")
 @pytest.mark.parametrize("data", [b"", b"\xc1garbage", b"\x93\x01\x02\x03", b"\x81\xa1x\x01"],
                          ids=["empty", "not-msgpack", "array", "other-map"])
-async def test_unreadable_handover_file_fails_its_capture_clearly(tmp_path, data):
-    """A handover file that does not decode to a worker's answer (torn, or put there by another process) fails
-    that capture with a CaptureError naming the file, never a decoder exception nor rows taken as found."""
+async def test_unreadable_handover_file_fails_its_capture_clearly(tmp_path, monkeypatch, data):
+    """A handover step file that does not decode to a worker's step file (torn, or put there by another process)
+    is deleted; a capture the worker says it handed over then fails with a CaptureError naming that file, never a
+    decoder exception nor rows taken as found."""
     import genartifact.engine.worker_ext as wx
 
     ho = wx.Handover(str(tmp_path))
     ho.contents = {"fake"}
-    (Path(ho.dir) / "fake.c9").write_bytes(data)
-    eng = types.SimpleNamespace(handover=ho, data_parallel_size=1)
-    with pytest.raises(CaptureError, match="handover file fake.c9"):
+    (Path(ho.dir) / "step.1.1").write_bytes(data)
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.01)
+
+    async def worker_call(method, *args):  # the worker wrote its answer to that file
+        return [{"absent": "handed_over", "dp_rank": 0}]
+
+    eng = types.SimpleNamespace(handover=ho, data_parallel_size=1, worker_call=worker_call)
+    with pytest.raises(CaptureError, match="no answer for it was read.*handover file step.1.1"):
         await wx.fetch_capture(eng, "fake", "c9")
+    assert ho.files() == [] and os.listdir(ho.dir) == ["token"]
+    ho.close()
+
+
+@pytest.mark.fault("worker", "handover step file entry that is not a worker's answer")
+async def test_a_bad_entry_in_a_step_file_fails_only_its_capture(tmp_path):
+    """A step file whose entry for one capture is not a worker's answer fails that capture, naming the file; the
+    other captures in the same file are taken as written."""
+    import genartifact.engine.worker_ext as wx
+    import msgspec
+
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    (Path(ho.dir) / "step.1.1").write_bytes(msgspec.msgpack.encode({"fake.bad": [1, 2], "fake.ok": {"found": [7]}}))
+    eng = types.SimpleNamespace(handover=ho, data_parallel_size=1)
+    with pytest.raises(CaptureError, match="handover file step.1.1: the entry of fake.bad"):
+        await wx.fetch_capture(eng, "fake", "bad")
+    assert await wx.fetch_capture(eng, "fake", "ok") == [7]
     assert ho.files() == []
     ho.close()

@@ -667,3 +667,56 @@ def test_collect_cannot_rewrite_the_stored_token_ids():
     res = run_session(make_host(contents={"echo": _plugin(Rewriter)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "ready"
     assert res.artifact.completion_token_ids.tolist() == [3, 4]
+
+
+def _adapter_run(host, contents, prompt, steps, max_tokens):
+    """``VllmEngine.execute`` (the engine adapter's per-request loop) over a stand-in stream yielding ``steps``
+    (lists of new token ids, one delta each; the last one finished): returns (receipt, record calls)."""
+    import uuid
+
+    from genartifact.engine.vllm_adapter import Prepared, RequestResult, VllmEngine
+    from genartifact.session import ArtifactSession
+    from genartifact.spec import parse_request
+    from genartifact.testing import model_info
+    from genartifact.types import Delta
+
+    spec = {"format": "generation_artifact_v1", "contents": list(contents), "codec": "zstd",
+            "delivery": {"mode": "object_store", "target": {"kind": "memory", "object_key": f"runs/{uuid.uuid4().hex}"}}}
+    s = ArtifactSession.for_request(host, parse_request(spec), model_info(), {"memory": {}})
+    s.admit(len(prompt), max_tokens, sampling={"temperature": 1.0})
+    calls = []
+    real = s.record_or_fail
+    s.record_or_fail = lambda d: (calls.append(list(d.new_token_ids)), real(d))[1]
+    eng = object.__new__(VllmEngine)
+
+    async def stream(ids, sampling, request_id=None, final_only=False):
+        for i, new in enumerate(steps):
+            done = i == len(steps) - 1
+            yield (Delta(prompt, new, finished=done, finish_reason="length" if done else None),
+                   types.SimpleNamespace(finish_reason="length" if done else None, stop_reason=None))
+
+    eng.stream = stream
+
+    async def main():
+        out = None
+        async for ev in eng.execute(Prepared(list(prompt), {}, s)):
+            if isinstance(ev, RequestResult):
+                out = ev
+        return out.receipt
+
+    return asyncio.run(main()), calls
+
+
+def test_engine_adapter_records_the_completion_once_when_no_content_consumes_deltas():
+    """No requested content consumes deltas: the adapter hands the session the whole completion once, when the
+    stream ends (not a call per engine step), and the same checks hold there — max_tokens exceeded is
+    capture_invalid; a content that consumes deltas still gets one call per delta."""
+    plugin, made = _collect_only_plugin()
+    host = make_host(contents={"echo": plugin})
+    receipt, calls = _adapter_run(host, ["echo"], [1, 2, 3], [[4], [5], [6, 7]], max_tokens=4)
+    assert receipt["state"] == "ready" and calls == [[4, 5, 6, 7]]
+    receipt, calls = _adapter_run(host, ["echo"], [1, 2, 3], [[4], [5], [6, 7]], max_tokens=3)
+    assert receipt["error_code"] == "capture_invalid" and calls == [[4, 5, 6, 7]]
+    fed = make_host(contents={"echo": _plugin(lambda name: Echo(name))})
+    receipt, calls = _adapter_run(fed, ["echo"], [1, 2, 3], [[4], [5], [6, 7]], max_tokens=4)
+    assert receipt["state"] == "ready" and calls == [[4], [5], [6, 7]]

@@ -306,6 +306,14 @@ class ArtifactSession:
         return self._per_step
 
     @property
+    def consumes_deltas(self) -> bool:
+        """False once admitted when no requested content takes anything from deltas (every producer declared
+        ``consumes_deltas = False``): the engine adapter then records the whole completion as one delta when the
+        stream ends (:meth:`record_or_fail` once, the same checks of prompt length and ``max_tokens``) instead of
+        once per engine step. True before admission."""
+        return self._per_step is None or bool(self._delta_producers)
+
+    @property
     def completion_token_ids(self) -> list[int]:
         return list(self._completion)
 

@@ -376,16 +376,23 @@ class VllmEngine:
         background (journaled)."""
         session, completion, finish, stop_reason = prep.session, [], None, None
         per_step = stream or (session is not None and session.per_step_deltas)  # a content may need every step
+        # every delta to the session only when a content consumes deltas; else the completion once, at the end
+        per_delta = session is not None and session.consumes_deltas
+        last = None
         try:
             async for delta, c in self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not per_step):
                 completion.extend(delta.new_token_ids)
-                if session is not None:
+                if per_delta:
                     session.record_or_fail(delta)
+                last = delta
                 finish = c.finish_reason or finish
                 stop_reason = c.stop_reason if c.stop_reason is not None else stop_reason
                 yield delta, finish, c
             receipt, peak, budget = None, 0, 0
             if session is not None:
+                if not per_delta and last is not None:
+                    session.record_or_fail(Delta(last.prompt_token_ids, completion, finished=last.finished,
+                                                 finish_reason=last.finish_reason, arrival_ns=last.arrival_ns))
                 receipt = await session.finalize(self)
                 peak, budget = session.peak_retained, session.budget
             yield RequestResult(prep.prompt_token_ids, completion, None, receipt, finish, peak, budget, stop_reason)

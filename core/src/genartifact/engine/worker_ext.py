@@ -162,6 +162,7 @@ class WorkerRuntime:
         self.handover_dir: str | None = None
         self.handover_contents: list[str] = []
         self.handover_written = 0
+        self._handover_files = 0  # step files written (names them: step.<pid>.<n>)
         self._extra: dict[str, Mapping[str, Any]] = {}  # engine request id -> extra_args (handover only)
         #: content -> capture id -> fetch answer whose handover file could not be written (folder full or gone):
         #: kept for the driver's RPC fetch (which comes when no file came in time), dropped by discard
@@ -227,57 +228,70 @@ class WorkerRuntime:
                             self._extra[r.req_id] = extra
         fin = getattr(so, "finished_req_ids", None)
         any_live = False
+        handed: list[tuple[str, str, dict[str, Any]]] = []
         for name, fl in self.flagged.items():
             if fin and fl:
                 for rid in fin:
                     cid = fl.pop(rid, None)
                     if cid is not None and self.handover_dir is not None and name in self.handover_contents:
-                        self._handover(name, cid, self._extra.get(rid) or {})
+                        env = self._handover_answer(name, cid, self._extra.get(rid) or {})
+                        if env is not None:
+                            handed.append((name, cid, env))
             any_live = any_live or bool(fl)
+        if handed:
+            self._write_handover(handed)
         if fin and self._extra:
             for rid in fin:
                 self._extra.pop(rid, None)
         return any_live
 
-    def _handover(self, name: str, cid: str, extra: Mapping[str, Any]) -> None:
-        """Write a finished request's fetch answer to ``<handover dir>/<content>.<capture id>`` (msgpack, written
-        to a temporary name and renamed, so the driver never reads a partial file). Nothing is written for a
-        capture already fetched or discarded by RPC, or whose id cannot be a file name (RPC then). When the
-        write fails (``/dev/shm`` full, folder gone) the answer is kept in :attr:`unwritten` for the driver's
-        RPC fetch: rows are never lost to a full folder."""
+    def _handover_answer(self, name: str, cid: str, extra: Mapping[str, Any]) -> dict[str, Any] | None:
+        """A finished request's fetch answer of content ``name`` for the step's handover file (its rows taken from
+        the capture: ``handover``), or None when it goes no other way than RPC: a capture already fetched or
+        discarded by RPC, or whose id cannot be a handover key (:data:`_SAFE`)."""
         if cid in self.gone[name] or not _SAFE.fullmatch(cid):
-            return
+            return None
         cap = self.captures[name]
         where = {"dp_rank": self.where["dp_rank"], "tp_rank": self.where["tp_rank"], "rank": self.where["rank"]}
         err = self.failed[name].pop(cid, None)
-        env: dict[str, Any]
         if err is not None:
             cap.drop(cid)
-            env = {"absent": "failed", "error": err, **where}
-        else:
-            try:
-                payload = cap.handover(cid, extra)
-            except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the engine
-                cap.drop(cid)
-                env = {"absent": "failed", "error": f"handover: {type(e).__name__}: {_exc_text(e)}", **where}
-            else:
-                env = {"found": payload, **where} if payload is not None else {"absent": "unknown", **where}
-        path = os.path.join(str(self.handover_dir), f"{name}.{cid}")
+            return {"absent": "failed", "error": err, **where}
+        try:
+            payload = cap.handover(cid, extra)
+        except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the engine
+            cap.drop(cid)
+            return {"absent": "failed", "error": f"handover: {type(e).__name__}: {_exc_text(e)}", **where}
+        return {"found": payload, **where} if payload is not None else {"absent": "unknown", **where}
+
+    def _write_handover(self, handed: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
+        """Write one step's finished requests' fetch answers (``(content, capture id, answer)``) as one file,
+        ``<handover dir>/step.<worker pid>.<n>``: a msgpack map ``"<content>.<capture id>" -> answer``, written to a
+        temporary name and renamed, so the driver never reads a partial file (:meth:`Handover.read`). One file per
+        step, not per request and content: a wave of requests finishing together costs the worker (this is on the
+        engine's critical path, before the next forward) and the driver one file each. When the write fails
+        (``/dev/shm`` full, folder gone) every answer is kept in :attr:`unwritten` for the driver's RPC fetch:
+        rows are never lost to a full folder."""
+        self._handover_files += 1
+        path = os.path.join(str(self.handover_dir), f"step.{os.getpid()}.{self._handover_files}")
         try:
             import msgspec
 
-            data = msgspec.msgpack.encode(env)
+            data = msgspec.msgpack.encode({f"{name}.{cid}": env for name, cid, env in handed})
             with open(path + ".tmp", "wb") as f:
                 f.write(data)
             os.replace(path + ".tmp", path)
         except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
             _unlink(path + ".tmp")
-            self.unwritten[name][cid] = env
-            log.warning("worker_handover_unwritten", content=name, error=f"{type(e).__name__}: {_exc_text(e)}",
-                        detail="kept for the driver's RPC fetch", **self.where)
+            for name, cid, env in handed:
+                self.unwritten[name][cid] = env
+            log.warning("worker_handover_unwritten", contents=sorted({n for n, _, _ in handed}), requests=len(handed),
+                        error=f"{type(e).__name__}: {_exc_text(e)}", detail="kept for the driver's RPC fetch",
+                        **self.where)
             return
-        self.handover_written += 1
-        self._bury(name, cid, "handed_over")
+        for name, cid, _ in handed:
+            self.handover_written += 1
+            self._bury(name, cid, "handed_over")
 
     def _fire(self, method: str, step: WorkerStep) -> None:
         for name in step.flagged:
@@ -354,9 +368,7 @@ class WorkerRuntime:
             self.failed[name].pop(cid, None)
             found = cap.drop(cid)
             found = self.unwritten[name].pop(cid, None) is not None or found
-            if self.handover_dir is not None and _SAFE.fullmatch(cid):
-                found = _unlink(os.path.join(self.handover_dir, f"{name}.{cid}")) or found
-            self._bury(name, cid, "discarded")
+            self._bury(name, cid, "discarded")  # (an answer already in a handover file: the driver drops it)
             return found
         if verb == "stats":
             return {**cap.stats(), "live_flagged": len(self.flagged[name]), "unwritten": len(self.unwritten[name]), "handover": self.handover_dir is not None,
@@ -540,16 +552,19 @@ class Handover:
 
     A private folder (mode 0700) in ``/dev/shm`` (else the temp dir) named ``genartifact-<driver pid>-<random>``
     holds a ``token`` file; :meth:`config` goes to the workers with ``init``. A capturing worker that finds the
-    folder with the same token (same machine) writes each finished flagged request's fetch answer to
-    ``<content>.<capture id>`` (msgpack) when vLLM tells it the request finished (the engine step after the
-    request's last one), instead of keeping the rows for a ``collective_rpc`` fetch that pauses the engine loop.
-    :meth:`take` reads and deletes that file. Where workers cannot see the folder (Ray workers on other nodes)
-    they answer that they do not hand over, and fetch stays on the RPC path.
+    folder with the same token (same machine) writes, when vLLM tells it requests finished (the engine step after
+    their last one), one file per step, ``step.<worker pid>.<n>``: a msgpack map ``"<content>.<capture id>"`` ->
+    that capture's fetch answer, for every content of every flagged request that finished — instead of keeping the
+    rows for a ``collective_rpc`` fetch that pauses the engine loop. :meth:`take` finds a capture's answer: read
+    from the files present (each read once, then deleted; the answers of the other captures in it kept in memory
+    for their own take). Where workers cannot see the folder (Ray workers on other nodes) they answer that they do
+    not hand over, and fetch stays on the RPC path.
 
-    Nothing outlives the engine: :meth:`take` and :meth:`drop` delete the files they concern, :meth:`close`
-    (engine shutdown) removes the folder, a worker whose driver died removes it before exiting, and a new
-    :class:`Handover` removes folders that no live process holds (:func:`sweep_handover_dirs`: each folder is
-    ``flock``-ed by its :class:`Handover` for its life).
+    Nothing outlives the engine: :meth:`take` and :meth:`drop` forget what they concern (an answer dropped before
+    its file came is discarded when the file is read), :meth:`close` (engine shutdown) removes the folder, a
+    worker whose driver died removes it before exiting, and a new :class:`Handover` removes folders that no live
+    process holds (:func:`sweep_handover_dirs`: each folder is ``flock``-ed by its :class:`Handover` for its
+    life).
 
     :param root: parent folder (default ``/dev/shm`` when writable, else :func:`tempfile.gettempdir`)."""
 
@@ -578,39 +593,75 @@ class Handover:
         #: contents whose rows every capturing worker hands over (set by the engine from the init answers)
         self.contents: set[str] = set()
         self.taken = 0
+        #: "<content>.<capture id>" -> answer, read from a step file and not yet taken
+        self._ready: dict[str, Mapping[str, Any]] = {}
+        #: keys dropped before their answer was read (discarded when it comes), oldest first, bounded
+        self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: why the latest unreadable step files could not be read (named by a fetch that finds no answer)
+        self.unreadable: collections.deque[str] = collections.deque(maxlen=16)
 
     def config(self) -> dict[str, str]:
         """The ``handover`` entry of the worker ``init`` payload."""
         return {"dir": self.dir, "token": self.token}
 
-    def path(self, content: str, capture_id: str) -> str | None:
+    @staticmethod
+    def key(content: str, capture_id: str) -> str | None:
+        """``"<content>.<capture id>"``, or None when either cannot be one (such captures go by RPC)."""
         if not (_SAFE.fullmatch(content.replace(".", "_")) and _SAFE.fullmatch(capture_id)):
             return None
-        return os.path.join(self.dir, f"{content}.{capture_id}")
+        return f"{content}.{capture_id}"
 
-    def read(self, content: str, capture_id: str) -> Mapping[str, Any] | None:
-        """The worker's fetch answer for ``capture_id`` (deleted on read), or None if not (yet) written."""
-        path = self.path(content, capture_id)
-        if path is None:
-            return None
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        _unlink(path)
+    def _scan(self) -> None:
+        """Read (then delete) every step file present into the answers kept for :meth:`read`. A file that is not
+        a worker's step file (torn, or put there by another process) is deleted and named in :attr:`unreadable`;
+        an entry that is not a worker's answer fails its capture with an error naming the file."""
         import msgspec
 
-        self.taken += 1
         try:
-            env = msgspec.msgpack.decode(data)
-        except msgspec.DecodeError as e:  # not what a worker writes (renamed into place whole): never trusted
-            env = None
-            err = f"handover file {os.path.basename(path)} unreadable ({len(data)} bytes): {e}"
-        else:
-            err = f"handover file {os.path.basename(path)} is not a worker's answer"
-        if not isinstance(env, dict) or not ("found" in env or "absent" in env):
-            return {"absent": "failed", "error": err}
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        for n in names:
+            if not n.startswith("step.") or n.endswith(".tmp"):
+                continue
+            path = os.path.join(self.dir, n)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            _unlink(path)
+            try:
+                batch = msgspec.msgpack.decode(data)
+            except msgspec.DecodeError as e:  # not what a worker writes (renamed into place whole): never trusted
+                self.unreadable.append(f"handover file {n} unreadable ({len(data)} bytes): {e}")
+                continue
+            if not isinstance(batch, dict):
+                self.unreadable.append(f"handover file {n} is not a worker's step file")
+                continue
+            for k, env in batch.items():
+                content, _, cid = k.rpartition(".") if isinstance(k, str) else ("", "", "")
+                if not content or self.key(content, cid) != k:
+                    self.unreadable.append(f"handover file {n} has an entry that is not a capture's")
+                    continue
+                if k in self._dropped:  # discarded before its answer came
+                    del self._dropped[k]
+                    continue
+                if not isinstance(env, dict) or not ("found" in env or "absent" in env):
+                    env = {"absent": "failed", "error": f"handover file {n}: the entry of {k} is not a worker's answer"}
+                self._ready[k] = env
+
+    def read(self, content: str, capture_id: str) -> Mapping[str, Any] | None:
+        """The worker's fetch answer for ``capture_id`` (forgotten once returned), or None if not (yet) written."""
+        k = self.key(content, capture_id)
+        if k is None:
+            return None
+        env = self._ready.pop(k, None)
+        if env is None:
+            self._scan()
+            env = self._ready.pop(k, None)
+        if env is not None:
+            self.taken += 1
         return env
 
     async def take(self, content: str, capture_id: str, wait_s: float = HANDOVER_WAIT_S) -> Mapping[str, Any] | None:
@@ -627,21 +678,26 @@ class Handover:
             pause = min(pause * 2, 0.02)
 
     def drop(self, content: str, capture_id: str) -> None:
-        """Delete ``capture_id``'s file if a worker wrote one (discarded request)."""
-        path = self.path(content, capture_id)
-        if path is not None:
-            _unlink(path)
+        """Forget ``capture_id``'s answer (discarded request): now if it was read, else when its file comes."""
+        k = self.key(content, capture_id)
+        if k is None:
+            return
+        self._scan()
+        if self._ready.pop(k, None) is None:
+            self._dropped[k] = None
+            while len(self._dropped) > TOMBSTONES:
+                self._dropped.popitem(last=False)
 
     def files(self) -> list[str]:
-        """Handover files present now (tests, leak checks)."""
-        try:
-            return sorted(n for n in os.listdir(self.dir) if n != "token")
-        except OSError:
-            return []
+        """Keys (``"<content>.<capture id>"``) of the answers handed over and not yet taken or dropped, after
+        reading every step file present (tests, leak checks)."""
+        self._scan()
+        return sorted(self._ready)
 
     def close(self) -> None:
         """Remove the folder and everything in it (engine shutdown), then release its lock."""
         _rmtree(self.dir)
+        self._ready.clear()
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)
@@ -736,6 +792,10 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
         if isinstance(ho, Handover) and any(isinstance(a, Mapping) and a.get("absent") == "handed_over"
                                             for a in answers):
             env = ho.read(content, capture_id)  # written between the wait's deadline and the RPC
+            if env is None and ho.unreadable:  # its step file could not be read
+                raise CaptureError(f"{content}: capture {capture_id} was handed over, but no answer for it was read; "
+                                   f"{len(ho.unreadable)} handover file(s) could not be read, the latest: "
+                                   f"{ho.unreadable[-1]}")
             answers = [env] if env is not None else answers
     found = [a for a in answers if isinstance(a, Mapping) and "found" in a]
     if len(found) == 1:
