@@ -95,3 +95,37 @@ def test_flagged_rows_log_softmax_is_bitwise_the_whole_batch_one(vocab, dtype):
                 assert torch.equal(got, whole.index_select(0, idx)), (n_threads, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+def worker_sourced(answer):
+    """A worker-sourced producer (the engine runs the worker capture, raw_logprobs) whose fetch gets ``answer``."""
+    import asyncio
+    import types
+
+    model = ModelInfo("m", {}, engine_options={"worker_captures": ["selected_logprobs"], "logprobs_mode": "raw_logprobs"})
+    p = SelectedLogprobs(model)
+    p.admit(AdmissionContext(3, 4, 0, model, {}))
+    params = {}
+    p.sampling_overrides(params)
+    assert p.worker_source and "genartifact_logprobs_id" in params["extra_args"]
+
+    async def worker_call(method, *args):
+        return [{"found": answer, "dp_rank": 0}]
+
+    engine = types.SimpleNamespace(handover=None, data_parallel_size=1, worker_call=worker_call)
+    asyncio.run(p.collect(FinalContext(3, len(answer["token_ids"]), engine, tuple(answer["token_ids"]))))
+    return p
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.fault("encoder", "non-finite worker-captured logprob")
+def test_worker_sourced_values_checked_at_collect(bad):
+    """The worker's values are checked once at collect: finite or -inf pass; NaN or +inf fails the capture naming
+    the value and its token."""
+    ok = worker_sourced({"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-1.5, float("-inf"), -0.25]})
+    section, parts = ok.finalize(FinalContext(3, 3))
+    assert parts[0].array.tolist() == [-1.5, float("-inf"), -0.25]
+    with pytest.raises(CaptureError, match=f"logprob {bad} for token 8; allowed finite or -inf"):
+        worker_sourced({"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-1.0, bad, -2.0]})
+    with pytest.raises(CaptureError, match="2 logprobs for 3 completion tokens"):
+        worker_sourced({"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-1.0, -2.0]})

@@ -13,7 +13,6 @@ from __future__ import annotations
 import array
 import math
 import os
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,7 +58,7 @@ class SelectedLogprobs:
 
     def sampling_overrides(self, params: dict[str, Any]) -> None:
         if self.worker_source:
-            self.capture_id = uuid.uuid4().hex
+            self.capture_id = os.urandom(16).hex()  # 128 random bits, like uuid4
             params["extra_args"] = {**(params.get("extra_args") or {}), "genartifact_logprobs_id": self.capture_id}
             return
         if params.get("logprobs") is None:
@@ -108,10 +107,16 @@ class SelectedLogprobs:
                                f"expected {p}..{p + c - 1}")
         if list(final.completion_token_ids) != list(r["token_ids"]):
             raise CaptureError("selected_logprobs: worker-sampled token ids differ from the completion tokens")
-        for tok, v in zip(r["token_ids"], r["logprobs"], strict=True):
-            if math.isnan(v) or v == math.inf:
-                raise CaptureError(f"selected_logprobs: logprob {v} for token {tok}; allowed finite or -inf")
-        self._values = array.array("f", r["logprobs"])
+        values = array.array("f", r["logprobs"])
+        if len(values) != c:
+            raise CaptureError(f"selected_logprobs: worker sent {len(values)} logprobs for {c} completion tokens")
+        arr = np.frombuffer(values, dtype=np.float32)
+        bad = np.flatnonzero(np.isnan(arr) | (arr == np.inf))  # one pass, not a Python check per value
+        if bad.size:
+            i = int(bad[0])
+            raise CaptureError(f"selected_logprobs: logprob {float(arr[i])} for token {r['token_ids'][i]}; "
+                               "allowed finite or -inf")
+        self._values = values
 
     async def discard(self, engine: Any) -> None:
         """Drop worker-side samples not fetched (request failed or was cancelled)."""

@@ -23,7 +23,7 @@ Prefix caching: cached prefix tokens are never recomputed and produce no rows, s
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,7 +85,7 @@ class MoeRoutes:
             if self.start:
                 params["routed_experts_prompt_start"] = self.start
             return
-        self.capture_id = uuid.uuid4().hex
+        self.capture_id = os.urandom(16).hex()  # 128 random bits, like uuid4
         extra = dict(params.get("extra_args") or {})
         extra[CAPTURE_KEY] = self.capture_id
         if self.start:  # the worker hands rows over from here (out-of-band handover)
