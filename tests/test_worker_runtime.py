@@ -554,3 +554,105 @@ async def test_a_bad_entry_in_a_step_file_fails_only_its_capture(tmp_path):
     assert await wx.fetch_capture(eng, "fake", "ok") == [7]
     assert ho.files() == []
     ho.close()
+
+
+async def test_waiting_takes_share_one_poller_and_get_their_answer_within_a_period(tmp_path):
+    """Sixteen takes waiting for step files that come a few ms later (a wave finishing together): one poller scans
+    for all of them (not one listdir per take and period), each take gets its own answer within about one
+    period of its file's arrival (no exponential-backoff overshoot), a take whose file never comes gets None at
+    its deadline, and a take cancelled after its answer was found leaves the answer for a later take."""
+    import asyncio
+    import time
+
+    import genartifact.engine.worker_ext as wx
+    import msgspec
+
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+
+    async def put_later(delay, name, entries):
+        await asyncio.sleep(delay)
+        path = Path(ho.dir) / name
+        path.with_suffix(".tmp").write_bytes(msgspec.msgpack.encode(entries))
+        os.replace(path.with_suffix(".tmp"), path)
+        return time.monotonic()
+
+    takes = [asyncio.ensure_future(ho.take("fake", f"c{i}", wait_s=2.0)) for i in range(16)]
+    t_first = asyncio.ensure_future(put_later(0.008, "step.1.1", {f"fake.c{i}": {"found": [i]} for i in range(8)}))
+    t_second = asyncio.ensure_future(put_later(0.009, "step.1.2", {f"fake.c{i}": {"found": [i]} for i in range(8, 16)}))
+    done_at = []
+    for i, t in enumerate(takes):
+        assert (await t) == {"found": [i]}
+        done_at.append(time.monotonic())
+    first, second = await t_first, await t_second
+    # a period is 0.5 ms (a doubling backoff from 0.5 ms would look at 7.5 and then 15.5 ms: 6.5-7.5 ms late)
+    assert max(done_at[:8]) - first < 0.004 and max(done_at[8:]) - second < 0.004
+    assert ho.scans < 80, ho.scans  # one scan per period for all 16 (not 16 x periods)
+    assert ho.taken == 16 and ho.files() == []
+
+    # never comes: None at the deadline
+    t0 = time.monotonic()
+    assert await ho.take("fake", "never", wait_s=0.05) is None
+    assert 0.05 <= time.monotonic() - t0 < 0.5
+
+    # cancelled while waiting: the answer that comes later stays for a later take (or a drop)
+    take = asyncio.ensure_future(ho.take("fake", "early", wait_s=2.0))
+    await asyncio.sleep(0.002)
+    take.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await take
+    (Path(ho.dir) / "step.1.3").write_bytes(msgspec.msgpack.encode({"fake.early": {"found": [3]}}))
+    assert await ho.take("fake", "early", wait_s=1.0) == {"found": [3]}
+    ho.close()
+
+
+async def test_a_take_cancelled_after_its_answer_was_found_puts_it_back(tmp_path):
+    """The poller hands a take its answer and the take is cancelled before it resumes (its request aborted at that
+    moment): the answer goes back to the ready answers, so a later take (or the discard's drop) finds it."""
+    import asyncio
+
+    import genartifact.engine.worker_ext as wx
+    import msgspec
+
+    victim = []
+
+    class CancelOnTake(wx.Handover):  # cancels the waiting take right after the poller resolved it
+        @property
+        def taken(self):
+            return self._taken
+
+        @taken.setter
+        def taken(self, v):
+            self._taken = v
+            if victim:
+                victim.pop().cancel()
+
+    ho = CancelOnTake(str(tmp_path))
+    ho.contents = {"fake"}
+    take = asyncio.ensure_future(ho.take("fake", "late", wait_s=2.0))
+    await asyncio.sleep(0.002)
+    victim.append(take)
+    (Path(ho.dir) / "step.1.1").write_bytes(msgspec.msgpack.encode({"fake.late": {"found": [3]}}))
+    with pytest.raises(asyncio.CancelledError):
+        await take
+    assert ho.taken == 0 and ho.files() == ["fake.late"]
+    assert await ho.take("fake", "late") == {"found": [3]}
+    ho.close()
+
+
+async def test_close_ends_the_takes_still_waiting(tmp_path):
+    """Engine shutdown while takes wait: each gets None at once (its fetch then goes by RPC), not after its
+    deadline."""
+    import asyncio
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    takes = [asyncio.ensure_future(ho.take("fake", f"c{i}", wait_s=30.0)) for i in range(3)]
+    await asyncio.sleep(0.005)
+    t0 = time.monotonic()
+    ho.close()
+    assert await asyncio.gather(*takes) == [None, None, None]
+    assert time.monotonic() - t0 < 1.0

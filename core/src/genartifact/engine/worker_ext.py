@@ -545,6 +545,12 @@ def init_config(host: Any) -> dict[str, Any]:
 
 
 HANDOVER_WAIT_S = 5.0  # how long fetch_capture waits for a handover file before asking the workers by RPC
+#: how often the takes waiting for step files look for them: one scan of the folder per period for all of them
+#: (a step file comes within about one engine step of the request's last output, a few ms); after
+#: HANDOVER_FAST_S seconds without a new answer the period doubles up to HANDOVER_POLL_MAX_S
+HANDOVER_POLL_S = 0.0005
+HANDOVER_FAST_S = 0.02
+HANDOVER_POLL_MAX_S = 0.02
 
 
 class Handover:
@@ -599,6 +605,11 @@ class Handover:
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: why the latest unreadable step files could not be read (named by a fetch that finds no answer)
         self.unreadable: collections.deque[str] = collections.deque(maxlen=16)
+        #: key -> the takes waiting for its answer (future, deadline on ``time.monotonic``), served by one poller
+        self._waiting: dict[str, list[tuple[Any, float]]] = {}
+        self._poller: Any = None  # the asyncio task scanning for the waiting takes, while there are any
+        self._progress = 0.0  # time.monotonic() of the latest new wait or answer found for a waiting take
+        self.scans = 0  # folder scans by the poller (tests, benchmarks)
 
     def config(self) -> dict[str, str]:
         """The ``handover`` entry of the worker ``init`` payload."""
@@ -665,17 +676,69 @@ class Handover:
         return env
 
     async def take(self, content: str, capture_id: str, wait_s: float = HANDOVER_WAIT_S) -> Mapping[str, Any] | None:
-        """:meth:`read`, waiting up to ``wait_s`` seconds for the file (polled: 0.5 ms, doubling to 20 ms)."""
+        """:meth:`read`, waiting up to ``wait_s`` seconds for the file. All the takes waiting at a time share one
+        poller, which scans the folder once every :data:`HANDOVER_POLL_S` seconds (backing off to
+        :data:`HANDOVER_POLL_MAX_S` once :data:`HANDOVER_FAST_S` seconds pass without a new answer) and hands each
+        waiting take its answer as soon as a scan finds it: a wave of requests finishing together costs one scan
+        per period, not one per request, and none waits longer than a period past its file's arrival. A take
+        cancelled after its answer was found puts the answer back (a later take or :meth:`drop` finds it)."""
         import asyncio
         import time
 
-        deadline, pause = time.monotonic() + wait_s, 0.0005
-        while True:
-            env = self.read(content, capture_id)
-            if env is not None or time.monotonic() >= deadline:
-                return env
+        env = self.read(content, capture_id)
+        k = self.key(content, capture_id)
+        if env is not None or k is None or wait_s <= 0:
+            return env
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiting.setdefault(k, []).append((fut, time.monotonic() + wait_s))
+        self._progress = time.monotonic()  # a new wait: look often again
+        if self._poller is None or self._poller.done():
+            self._poller = loop.create_task(self._poll())
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.result() is not None:  # found, then cancelled: kept
+                self._ready[k] = fut.result()
+                self.taken -= 1
+            raise
+
+    async def _poll(self) -> None:
+        """Serve the waiting takes (see :meth:`take`) until none is left."""
+        import asyncio
+        import time
+
+        pause = HANDOVER_POLL_S
+        while self._waiting:
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.02)
+            try:
+                self._scan()
+            except Exception as e:  # noqa: BLE001 - as a take's own read would: each waiting take raises it
+                for waiters in self._waiting.values():
+                    for f, _ in waiters:
+                        if not f.done():
+                            f.set_exception(e)
+                self._waiting.clear()
+                return
+            self.scans += 1
+            now = time.monotonic()
+            for k in list(self._waiting):
+                waiters = [(f, d) for f, d in self._waiting[k] if not f.done()]
+                while waiters and k in self._ready:
+                    f, _ = waiters.pop(0)
+                    f.set_result(self._ready.pop(k))
+                    self.taken += 1
+                    self._progress = now
+                for f, d in waiters:
+                    if d <= now:
+                        f.set_result(None)
+                waiters = [(f, d) for f, d in waiters if not f.done()]
+                if waiters:
+                    self._waiting[k] = waiters
+                else:
+                    del self._waiting[k]
+            fast = now - self._progress <= HANDOVER_FAST_S
+            pause = HANDOVER_POLL_S if fast else min(pause * 2, HANDOVER_POLL_MAX_S)
 
     def drop(self, content: str, capture_id: str) -> None:
         """Forget ``capture_id``'s answer (discarded request): now if it was read, else when its file comes."""
@@ -695,12 +758,25 @@ class Handover:
         return sorted(self._ready)
 
     def close(self) -> None:
-        """Remove the folder and everything in it (engine shutdown), then release its lock."""
+        """Remove the folder and everything in it (engine shutdown), then release its lock. Takes still waiting
+        get no answer (None: their fetch goes to the workers by RPC, which fails on a stopped engine)."""
         _rmtree(self.dir)
         self._ready.clear()
+        waiting, self._waiting = self._waiting, {}
+        for waiters in waiting.values():
+            for f, _ in waiters:
+                try:  # (close may run outside the loop's thread)
+                    f.get_loop().call_soon_threadsafe(_no_answer, f)
+                except RuntimeError:  # its loop is closed: nobody waits any more
+                    pass
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)
+
+
+def _no_answer(fut: Any) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 #: handover folders being made (not yet locked and renamed to ``genartifact-<pid>-<random>``)
@@ -850,5 +926,6 @@ def track_flagged(scheduler_output: Any, key: str, flagged: dict[str, str]) -> N
         flagged.pop(rid, None)
 
 
-__all__ = ["HANDOVER_WAIT_S", "QUALNAME", "RPC", "GenartifactWorkerExtension", "Handover", "WorkerCapture", "WorkerRuntime", "WorkerStep",
+__all__ = ["HANDOVER_FAST_S", "HANDOVER_POLL_MAX_S", "HANDOVER_POLL_S", "HANDOVER_WAIT_S", "QUALNAME", "RPC",
+           "GenartifactWorkerExtension", "Handover", "WorkerCapture", "WorkerRuntime", "WorkerStep",
            "discard_capture", "fetch_capture", "init_config", "register_vllm_plugin", "sweep_handover_dirs", "track_flagged"]
