@@ -638,6 +638,20 @@ def test_worst_case_formula_is_exact(host):
     assert s.budget == MANIFEST_BASE_BYTES + header + 64 * tensors + 4 * (10 + 7) + (4 * 7 + 128)
 
 
+def test_worst_case_formula_stays_exact_when_headers_alike_but_not_equal_follow_each_other(host):
+    """The header's JSON size is reused from the previous admission only for a header alike in every type:
+    temperature 1, 1.0 and True compare equal in Python but serialize as 1, 1.0 and true; each request's budget
+    still holds its own header's exact size."""
+    from genartifact import format as fmt
+    from genartifact.session import MANIFEST_BASE_BYTES
+
+    for temp in (1, 1.0, True, 1, 0.5, 1.0):
+        s = session(host, spec(["selected_logprobs"]))
+        s.admit(10, 7, sampling={"temperature": temp})
+        header = len(fmt.canonical_json(s._header))
+        assert s.budget == MANIFEST_BASE_BYTES + header + 64 * 3 + 4 * (10 + 7) + (4 * 7 + 128), temp
+
+
 @pytest.mark.parametrize("prompt, max_tokens, field", [(-1, 4, "prompt_token_count"), (3, 0, "max_tokens"),
                                                        (True, 4, "prompt_token_count"), (3, 2.0, "max_tokens")])
 @pytest.mark.fault("admission", "bad token counts")

@@ -178,7 +178,7 @@ class ArtifactSession:
         self._header = self._make_header(sampling)
         content_bytes = sum(p.admit(ctx) for p in self._producers)
         tensors = 1 + 2 * len(self._producers)
-        decoded = (MANIFEST_BASE_BYTES + len(fmt.canonical_json(self._header)) + fmt.ALIGN * tensors
+        decoded = (MANIFEST_BASE_BYTES + _header_bytes(self._header) + fmt.ALIGN * tensors
                    + TOKEN_BYTES * (prompt_token_count + max_tokens) + content_bytes)
         limit = max_decoded_bytes()
         if decoded > limit:
@@ -582,6 +582,39 @@ def _json_size_upto(obj: Any, n: int, limit: int) -> int:
             return n
     return n
 
+
+
+#: the last header sized at admission: (its typed key, its canonical-JSON bytes). The requests of a run mostly
+#: share one header (same engine, model and sampling), and serializing it again cost more than the key.
+_LAST_HEADER: tuple[Any, int] | None = None
+
+
+def _typed_key(obj: Any) -> Any:
+    """A hashable key of a header made of dicts, lists and scalars that tells apart what serializes differently
+    (``1``, ``1.0`` and ``True`` are equal but not alike); raises TypeError for anything else."""
+    t = type(obj)
+    if t is dict:
+        return (dict, tuple((k, _typed_key(v)) for k, v in obj.items()))
+    if t is list or t is tuple:
+        return (t, tuple(_typed_key(v) for v in obj))
+    if t in (str, int, float, bool) or obj is None:
+        return (t, obj)
+    raise TypeError(t.__name__)
+
+
+def _header_bytes(header: Mapping[str, Any]) -> int:
+    """``len(canonical_json(header))``, from the last header's when it is alike (see :data:`_LAST_HEADER`)."""
+    global _LAST_HEADER
+    try:
+        key = _typed_key(header)
+    except TypeError:
+        return len(fmt.canonical_json(header))
+    last = _LAST_HEADER
+    if last is not None and last[0] == key:
+        return last[1]
+    n = len(fmt.canonical_json(header))
+    _LAST_HEADER = (key, n)
+    return n
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

@@ -179,3 +179,22 @@ def test_recorder_torch_missing_layer_leaves_positions_unfilled():
     rec.on_layer(1, torch.ones((2, 2), dtype=torch.int64))
     rec.end_step()  # router 3 never called back: nothing stacked, the positions stay unfilled
     assert rec.fetch("A", 0, 2)["missing"] == [0, 2] and rec.steps == 0
+
+
+def test_admission_layout_cache_follows_the_config_object_and_its_contents():
+    """Admission reuses the last config's layout only for that very config object while it is unchanged: a config
+    changed in place, or another config, is resolved again (and a bad one still fails admission)."""
+    import genartifact_route_capture as rc
+
+    cfg = {"model_type": "mixtral", "num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2}
+    a = rc._layout_of(cfg)
+    assert rc._layout_of(cfg) is a  # the same object, unchanged: cached
+    cfg["num_experts_per_tok"] = 4
+    assert rc._layout_of(cfg).top_k == 4  # changed in place: resolved again
+    other = {**cfg, "num_hidden_layers": 2}
+    assert rc._layout_of(other).router_ids == (0, 1)
+    bad = {**cfg, "num_experts_per_tok": 9}
+    with pytest.raises(AdmissionError, match="exceeds expert count"):
+        rc._layout_of(bad)
+    with pytest.raises(AdmissionError, match="exceeds expert count"):
+        rc._layout_of(bad)  # a failed resolve is not cached

@@ -45,6 +45,8 @@ from typing import Any, ClassVar
 
 import structlog
 
+from genartifact.errors import CaptureError
+
 QUALNAME = "genartifact.engine.worker_ext.GenartifactWorkerExtension"
 RPC = "genartifact_call"
 TOMBSTONES = 4096  # capture ids remembered after fetch/discard, per content, to name a second fetch's cause
@@ -855,8 +857,6 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
     :raises CaptureError: no worker holds the id (naming the cause: a failed worker step hook, a second fetch,
         a discard, no capturing worker, or answers from fewer engines than the engine has), or more than one
         worker holds it."""
-    from genartifact.errors import CaptureError
-
     ho = getattr(engine, "handover", None)
     env = None
     if isinstance(ho, Handover) and content in ho.contents:

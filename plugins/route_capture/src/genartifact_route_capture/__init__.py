@@ -23,6 +23,7 @@ Prefix caching: cached prefix tokens are never recomputed and produce no rows, s
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -74,7 +75,7 @@ class MoeRoutes:
                 "moe_routes via the worker path cannot see prefix-cached tokens (they are never recomputed); "
                 "start the engine with enable_prefix_caching=False"
             )
-        self.layout = resolve_layout(ctx.model.hf_config)
+        self.layout = _layout_of(ctx.model.hf_config)
         self.start = ctx.routes_start
         self._max_rows = max(0, ctx.prompt_token_count + ctx.max_tokens - 1 - self.start)
         per_row = self.layout.routers * self.layout.top_k * self.layout.itemsize
@@ -303,6 +304,27 @@ def _native_routes_enabled(vcfg: Any) -> bool:
     if aux is not None and getattr(aux, "enable_return_routed_experts", False):
         return True
     return bool(getattr(vcfg.model_config, "enable_return_routed_experts", False))
+
+
+#: the last config resolved and its layout: (the config object, a deep copy of it, its layout). Every request of an
+#: engine brings the same ``ModelInfo.hf_config``; resolving it again cost a few percent of the driver's
+#: per-request work. Reused only for that very object while it still equals the copy (a config changed in place
+#: is resolved again).
+_LAST_LAYOUT: tuple[Any, Any, RouterLayout] | None = None
+
+
+def _layout_of(cfg: Mapping[str, Any]) -> RouterLayout:
+    """:func:`resolve_layout` of ``cfg``, cached for the last config object (see :data:`_LAST_LAYOUT`)."""
+    global _LAST_LAYOUT
+    last = _LAST_LAYOUT
+    if last is not None and last[0] is cfg and last[1] == cfg:
+        return last[2]
+    lay = resolve_layout(cfg)  # raises for a bad config: nothing cached
+    try:
+        _LAST_LAYOUT = (cfg, copy.deepcopy(cfg), lay)
+    except Exception:  # noqa: BLE001 - a config that cannot be copied is resolved every time
+        _LAST_LAYOUT = None
+    return lay
 
 
 def layout_for(cfg: Mapping[str, Any]) -> RouterLayout:
