@@ -556,18 +556,23 @@ async def test_a_bad_entry_in_a_step_file_fails_only_its_capture(tmp_path):
     ho.close()
 
 
-async def test_waiting_takes_share_one_poller_and_get_their_answer_within_a_period(tmp_path):
+@pytest.mark.parametrize("watch", ["inotify", "polled"])
+async def test_waiting_takes_share_one_poller_and_get_their_answer_within_a_period(tmp_path, monkeypatch, watch):
     """Sixteen takes waiting for step files that come a few ms later (a wave finishing together): one poller scans
     for all of them (not one listdir per take and period), each take gets its own answer within about one
     period of its file's arrival (no exponential-backoff overshoot), a take whose file never comes gets None at
-    its deadline, and a take cancelled after its answer was found leaves the answer for a later take."""
+    its deadline, and a take cancelled while waiting leaves the answer for a later take. Both with the folder
+    watched (inotify: woken by the rename) and polled (no inotify)."""
     import asyncio
     import time
 
     import genartifact.engine.worker_ext as wx
     import msgspec
 
+    if watch == "polled":
+        monkeypatch.setattr(wx, "_watch_renames", lambda path: None)
     ho = wx.Handover(str(tmp_path))
+    assert (ho._notify_fd is not None) == (watch == "inotify" and sys.platform.startswith("linux"))
     ho.contents = {"fake"}
 
     async def put_later(delay, name, entries):
@@ -656,3 +661,33 @@ async def test_close_ends_the_takes_still_waiting(tmp_path):
     ho.close()
     assert await asyncio.gather(*takes) == [None, None, None]
     assert time.monotonic() - t0 < 1.0
+
+
+async def test_a_watched_handover_folder_is_not_scanned_while_no_step_file_comes(tmp_path):
+    """With inotify, a take that waits 150 ms for its step file costs a handful of scans (its first read, the
+    rename's wake-up, a safety scan per 20 ms), not one per 0.5 ms period (~300), and gets its answer within a
+    few ms of the rename."""
+    import asyncio
+    import time
+
+    import genartifact.engine.worker_ext as wx
+    import msgspec
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("inotify is Linux's")
+    ho = wx.Handover(str(tmp_path))
+    assert ho._notify_fd is not None
+    ho.contents = {"fake"}
+    take = asyncio.ensure_future(ho.take("fake", "c", wait_s=5.0))
+    await asyncio.sleep(0.15)
+    path = Path(ho.dir) / "step.1.1"
+    path.with_suffix(".tmp").write_bytes(msgspec.msgpack.encode({"fake.c": {"found": [1]}}))
+    os.replace(path.with_suffix(".tmp"), path)
+    t0 = time.monotonic()
+    assert await take == {"found": [1]}
+    assert time.monotonic() - t0 < 0.01
+    assert ho.scans <= 12, ho.scans
+    fd = ho._notify_fd
+    ho.close()
+    with pytest.raises(OSError):  # the watch is closed with the folder
+        os.fstat(fd)

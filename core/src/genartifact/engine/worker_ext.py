@@ -547,9 +547,11 @@ def init_config(host: Any) -> dict[str, Any]:
 
 
 HANDOVER_WAIT_S = 5.0  # how long fetch_capture waits for a handover file before asking the workers by RPC
-#: how often the takes waiting for step files look for them: one scan of the folder per period for all of them
-#: (a step file comes within about one engine step of the request's last output, a few ms); after
-#: HANDOVER_FAST_S seconds without a new answer the period doubles up to HANDOVER_POLL_MAX_S
+#: how often the takes waiting for step files look for them where the folder cannot be watched (no inotify): one
+#: scan of the folder per period for all of them (a step file comes within about one engine step of the request's
+#: last output, a few ms); after HANDOVER_FAST_S seconds without a new answer the period doubles up to
+#: HANDOVER_POLL_MAX_S. With inotify (Linux) the takes wake when a step file is renamed into the folder, and
+#: HANDOVER_POLL_MAX_S is only the safety period of a scan that no event asked for (an overflowed event queue).
 HANDOVER_POLL_S = 0.0005
 HANDOVER_FAST_S = 0.02
 HANDOVER_POLL_MAX_S = 0.02
@@ -611,6 +613,12 @@ class Handover:
         self._waiting: dict[str, list[tuple[Any, float]]] = {}
         self._poller: Any = None  # the asyncio task scanning for the waiting takes, while there are any
         self._progress = 0.0  # time.monotonic() of the latest new wait or answer found for a waiting take
+        #: an inotify descriptor watching the folder for step files renamed into it (None: polled), the loop whose
+        #: reader it is registered with, whether an event came since the last scan, and the poller's pending wake
+        self._notify_fd: int | None = _watch_renames(self.dir)
+        self._notify_loop: Any = None
+        self._notified = False
+        self._wake: Any = None
         self.scans = 0  # folder scans by the poller (tests, benchmarks)
 
     def config(self) -> dict[str, str]:
@@ -695,8 +703,15 @@ class Handover:
         fut = loop.create_future()
         self._waiting.setdefault(k, []).append((fut, time.monotonic() + wait_s))
         self._progress = time.monotonic()  # a new wait: look often again
+        if self._notify_fd is not None and self._notify_loop is None:
+            try:
+                loop.add_reader(self._notify_fd, self._on_notify)
+                self._notify_loop = loop
+            except (OSError, ValueError, RuntimeError, NotImplementedError):  # a loop without add_reader: polled
+                os.close(self._notify_fd)
+                self._notify_fd = None
         if self._poller is None or self._poller.done():
-            self._poller = loop.create_task(self._poll())
+            self._poller = loop.create_task(self._poll(loop))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -705,14 +720,26 @@ class Handover:
                 self.taken -= 1
             raise
 
-    async def _poll(self) -> None:
-        """Serve the waiting takes (see :meth:`take`) until none is left."""
+    async def _poll(self, loop: Any) -> None:
+        """Serve the waiting takes (see :meth:`take`) until none is left: after each rename event (inotify, on the
+        loop it is registered with), else every period."""
         import asyncio
         import time
 
         pause = HANDOVER_POLL_S
         while self._waiting:
-            await asyncio.sleep(pause)
+            if self._notify_loop is loop:
+                if not self._notified:
+                    self._wake = loop.create_future()
+                    timer = loop.call_later(HANDOVER_POLL_MAX_S, _no_answer, self._wake)
+                    try:
+                        await self._wake
+                    finally:
+                        timer.cancel()
+                        self._wake = None
+                self._notified = False  # before the scan: an event during it asks for the next one
+            else:
+                await asyncio.sleep(pause)
             try:
                 self._scan()
             except Exception as e:  # noqa: BLE001 - as a take's own read would: each waiting take raises it
@@ -742,6 +769,35 @@ class Handover:
             fast = now - self._progress <= HANDOVER_FAST_S
             pause = HANDOVER_POLL_S if fast else min(pause * 2, HANDOVER_POLL_MAX_S)
 
+    def _on_notify(self) -> None:
+        """The inotify descriptor is readable: drain its events (their content does not matter: a scan reads
+        whatever is there) and wake the poller."""
+        fd = self._notify_fd
+        if fd is None:
+            return
+        try:
+            while os.read(fd, 65536):
+                pass
+        except BlockingIOError:
+            pass
+        except OSError:  # the descriptor broke: stop watching, the poller falls back to its period
+            self._stop_watching()
+        self._notified = True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _stop_watching(self) -> None:
+        fd, loop = self._notify_fd, self._notify_loop
+        self._notify_fd = self._notify_loop = None
+        if fd is None:
+            return
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.remove_reader(fd)
+            except (RuntimeError, ValueError):  # (another thread's loop, or already gone)
+                pass
+        os.close(fd)
+
     def drop(self, content: str, capture_id: str) -> None:
         """Forget ``capture_id``'s answer (discarded request): now if it was read, else when its file comes."""
         k = self.key(content, capture_id)
@@ -764,6 +820,7 @@ class Handover:
         get no answer (None: their fetch goes to the workers by RPC, which fails on a stopped engine)."""
         _rmtree(self.dir)
         self._ready.clear()
+        self._stop_watching()
         waiting, self._waiting = self._waiting, {}
         for waiters in waiting.values():
             for f, _ in waiters:
@@ -774,6 +831,34 @@ class Handover:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)
+
+
+#: inotify(7): IN_MOVED_TO (a name moved into the watched folder: a worker's step file renamed into place);
+#: inotify_init1 flags IN_NONBLOCK | IN_CLOEXEC
+_IN_MOVED_TO = 0x80
+_IN_INIT_FLAGS = os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _watch_renames(path: str) -> int | None:
+    """A non-blocking inotify descriptor reporting names renamed into folder ``path``, or None where there is no
+    inotify (not Linux, no libc symbol, the per-user instance limit reached): the handover is then polled."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fd = libc.inotify_init1(_IN_INIT_FLAGS)
+    except (OSError, AttributeError):
+        return None
+    if fd < 0:
+        return None
+    if libc.inotify_add_watch(fd, os.fsencode(path), _IN_MOVED_TO) < 0:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _no_answer(fut: Any) -> None:
