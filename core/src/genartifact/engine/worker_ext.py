@@ -549,11 +549,11 @@ def init_config(host: Any) -> dict[str, Any]:
 HANDOVER_WAIT_S = 5.0  # how long fetch_capture waits for a handover file before asking the workers by RPC
 #: how often the takes waiting for step files look for them where the folder cannot be watched (no inotify): one
 #: scan of the folder per period for all of them (a step file comes within about one engine step of the request's
-#: last output, a few ms); after HANDOVER_FAST_S seconds without a new answer the period doubles up to
-#: HANDOVER_POLL_MAX_S. With inotify (Linux) the takes wake when a step file is renamed into the folder, and
-#: HANDOVER_POLL_MAX_S is only the safety period of a scan that no event asked for (an overflowed event queue).
+#: last output, a few ms), the period HANDOVER_POLL_S after a new wait or a found answer, doubling after each scan
+#: that finds nothing up to HANDOVER_POLL_MAX_S (a steady 0.5 ms scan cost a serving driver ~300 us per request).
+#: With inotify (Linux) the takes wake when a step file is renamed into the folder, and HANDOVER_POLL_MAX_S is only
+#: the safety period of a scan that no event asked for (an overflowed event queue).
 HANDOVER_POLL_S = 0.0005
-HANDOVER_FAST_S = 0.02
 HANDOVER_POLL_MAX_S = 0.02
 
 
@@ -687,11 +687,11 @@ class Handover:
 
     async def take(self, content: str, capture_id: str, wait_s: float = HANDOVER_WAIT_S) -> Mapping[str, Any] | None:
         """:meth:`read`, waiting up to ``wait_s`` seconds for the file. All the takes waiting at a time share one
-        poller, which scans the folder once every :data:`HANDOVER_POLL_S` seconds (backing off to
-        :data:`HANDOVER_POLL_MAX_S` once :data:`HANDOVER_FAST_S` seconds pass without a new answer) and hands each
-        waiting take its answer as soon as a scan finds it: a wave of requests finishing together costs one scan
-        per period, not one per request, and none waits longer than a period past its file's arrival. A take
-        cancelled after its answer was found puts the answer back (a later take or :meth:`drop` finds it)."""
+        poller, which scans the folder when a step file is renamed into it (inotify), or, where it cannot be
+        watched, every :data:`HANDOVER_POLL_S` seconds after a new wait or answer (doubling per empty scan up to
+        :data:`HANDOVER_POLL_MAX_S`), and hands each waiting take its answer as soon as a scan finds it: a wave of
+        requests finishing together costs one scan per file, not one per request and period. A take cancelled
+        after its answer was found puts the answer back (a later take or :meth:`drop` finds it)."""
         import asyncio
         import time
 
@@ -726,7 +726,7 @@ class Handover:
         import asyncio
         import time
 
-        pause = HANDOVER_POLL_S
+        pause, seen = HANDOVER_POLL_S, self._progress
         while self._waiting:
             if self._notify_loop is loop:
                 if not self._notified:
@@ -766,8 +766,9 @@ class Handover:
                     self._waiting[k] = waiters
                 else:
                     del self._waiting[k]
-            fast = now - self._progress <= HANDOVER_FAST_S
-            pause = HANDOVER_POLL_S if fast else min(pause * 2, HANDOVER_POLL_MAX_S)
+            # polled: look again soon after progress (a new wait, an answer found), else back off
+            pause = HANDOVER_POLL_S if self._progress != seen else min(pause * 2, HANDOVER_POLL_MAX_S)
+            seen = self._progress
 
     def _on_notify(self) -> None:
         """The inotify descriptor is readable: drain its events (their content does not matter: a scan reads
@@ -1011,6 +1012,6 @@ def track_flagged(scheduler_output: Any, key: str, flagged: dict[str, str]) -> N
         flagged.pop(rid, None)
 
 
-__all__ = ["HANDOVER_FAST_S", "HANDOVER_POLL_MAX_S", "HANDOVER_POLL_S", "HANDOVER_WAIT_S", "QUALNAME", "RPC",
+__all__ = ["HANDOVER_POLL_MAX_S", "HANDOVER_POLL_S", "HANDOVER_WAIT_S", "QUALNAME", "RPC",
            "GenartifactWorkerExtension", "Handover", "WorkerCapture", "WorkerRuntime", "WorkerStep",
            "discard_capture", "fetch_capture", "init_config", "register_vllm_plugin", "sweep_handover_dirs", "track_flagged"]
