@@ -693,3 +693,119 @@ async def test_a_watched_handover_folder_is_not_scanned_while_no_step_file_comes
     ho.close()
     with pytest.raises(OSError):  # the watch is closed with the folder
         os.fstat(fd)
+
+
+def _put_step(ho, name, entries):
+    import msgspec
+
+    path = Path(ho.dir) / name
+    path.with_suffix(".tmp").write_bytes(msgspec.msgpack.encode(entries))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+@pytest.mark.parametrize("entry", ["fifo", "directory", "symlink to /dev/zero", "msgpack nested too deep"])
+@pytest.mark.fault("worker", "hostile entry named like a handover step file")
+async def test_a_hostile_step_entry_never_blocks_or_breaks_the_handover(tmp_path, entry):
+    """An entry named ``step.*`` that no worker wrote — a FIFO (opening it for reading would block the event loop
+    until a writer came), a directory, a symlink to an endless device, msgpack nested past the decoder's limit —
+    is removed and named in ``unreadable``, without blocking; the takes of real step files beside it get their
+    answers, and later scans are not broken by it."""
+    import asyncio
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    bad = Path(ho.dir) / "step.9.9"
+    if entry == "fifo":
+        os.mkfifo(bad)
+    elif entry == "directory":
+        (bad / "inside").mkdir(parents=True)
+    elif entry == "symlink to /dev/zero":
+        bad.symlink_to("/dev/zero")
+    else:
+        bad.write_bytes(b"\x91" * 200_000 + b"\xc0")  # [[[[...nil...]]]]: 200,000 nested arrays
+    _put_step(ho, "step.1.1", {"fake.a": {"found": [1]}})
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(ho.take("fake", "a", wait_s=1.0), 5) == {"found": [1]}
+    take = asyncio.ensure_future(ho.take("fake", "b", wait_s=2.0))
+    await asyncio.sleep(0.01)
+    _put_step(ho, "step.1.2", {"fake.b": {"found": [2]}})
+    assert await asyncio.wait_for(take, 5) == {"found": [2]}
+    assert time.monotonic() - t0 < 2.0
+    assert os.listdir(ho.dir) == ["token"] and any("step.9.9" in u for u in ho.unreadable)
+    ho.close()
+
+
+def test_a_take_keeps_its_deadline_and_rejects_a_wait_that_is_not_a_number(tmp_path):
+    """A take returns None at its own deadline even when the poller serving its key belongs to an event loop that
+    no longer runs; ``wait_s`` NaN is refused by name; after close a take does not wait."""
+    import asyncio
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    ho = wx.Handover(str(tmp_path))
+    other = asyncio.new_event_loop()  # a loop left with a take (and its poller) pending, never run again
+    other_take = other.create_task(ho.take("fake", "x", wait_s=30.0))
+    other.run_until_complete(asyncio.sleep(0.01))
+
+    async def main():
+        with pytest.raises(ValueError, match="wait_s"):
+            await ho.take("fake", "x", wait_s=float("nan"))
+        t0 = time.monotonic()
+        assert await ho.take("fake", "y", wait_s=0.1) is None
+        assert 0.1 <= time.monotonic() - t0 < 0.6
+        ho.close()
+        t0 = time.monotonic()
+        assert await ho.take("fake", "z", wait_s=5.0) is None and time.monotonic() - t0 < 0.1
+
+    asyncio.run(main())
+    assert other.run_until_complete(asyncio.wait_for(other_take, 1.0)) is None  # close ended it too
+    other.run_until_complete(asyncio.sleep(0.05))  # its poller sees no waiter left and ends
+    other.close()
+
+
+def test_a_handover_serves_sequential_event_loops_with_its_watch(tmp_path):
+    """Two ``asyncio.run`` in a row with one Handover: the second loop's takes are still woken by the rename
+    (the watch moves to the new loop once the first is closed), not left to the safety scan."""
+    import asyncio
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    ho = wx.Handover(str(tmp_path))
+
+    async def one(cid):
+        take = asyncio.ensure_future(ho.take("fake", cid, wait_s=2.0))
+        await asyncio.sleep(0.05)
+        _put_step(ho, f"step.1.{cid}", {f"fake.{cid}": {"found": [cid]}})
+        t0 = time.monotonic()
+        assert await take == {"found": [cid]}
+        return time.monotonic() - t0
+
+    asyncio.run(one("a"))
+    assert asyncio.run(one("b")) < 0.01  # the safety scan would take up to 20 ms
+    if sys.platform.startswith("linux"):
+        assert ho._notify_fd is not None
+    ho.close()
+
+
+async def test_close_survives_a_broken_watch_and_still_ends_the_waits(tmp_path):
+    """The inotify descriptor closed behind the Handover's back: close() does not raise, the waiting take gets
+    None at once, and the folder's lock is released."""
+    import asyncio
+
+    import genartifact.engine.worker_ext as wx
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("inotify is Linux's")
+    ho = wx.Handover(str(tmp_path))
+    take = asyncio.ensure_future(ho.take("fake", "x", wait_s=30.0))
+    await asyncio.sleep(0.01)
+    asyncio.get_running_loop().remove_reader(ho._notify_fd)
+    os.close(ho._notify_fd)
+    ho.close()
+    assert await asyncio.wait_for(take, 1.0) is None
+    assert ho._lock_fd is None and not Path(ho.dir).exists()

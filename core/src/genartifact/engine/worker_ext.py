@@ -39,6 +39,7 @@ import collections
 import functools
 import os
 import re
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -609,9 +610,11 @@ class Handover:
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: why the latest unreadable step files could not be read (named by a fetch that finds no answer)
         self.unreadable: collections.deque[str] = collections.deque(maxlen=16)
-        #: key -> the takes waiting for its answer (future, deadline on ``time.monotonic``), served by one poller
-        self._waiting: dict[str, list[tuple[Any, float]]] = {}
-        self._poller: Any = None  # the asyncio task scanning for the waiting takes, while there are any
+        #: key -> the futures of the takes waiting for its answer, served by their loop's poller
+        self._waiting: dict[str, list[Any]] = {}
+        #: event loop -> the task scanning for the takes waiting on it, while there are any
+        self._pollers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._closed = False
         self._progress = 0.0  # time.monotonic() of the latest new wait or answer found for a waiting take
         #: an inotify descriptor watching the folder for step files renamed into it (None: polled), the loop whose
         #: reader it is registered with, whether an event came since the last scan, and the poller's pending wake
@@ -633,11 +636,11 @@ class Handover:
         return f"{content}.{capture_id}"
 
     def _scan(self) -> None:
-        """Read (then delete) every step file present into the answers kept for :meth:`read`. A file that is not
-        a worker's step file (torn, or put there by another process) is deleted and named in :attr:`unreadable`;
-        an entry that is not a worker's answer fails its capture with an error naming the file."""
-        import msgspec
-
+        """Read (then delete) every step file present into the answers kept for :meth:`read`. Never raises and
+        never blocks: an entry that is not a worker's step file — torn, not msgpack (or nested beyond the decoder's
+        limit), not a regular file (a FIFO, a directory, a symlink: opened with ``O_NONBLOCK | O_NOFOLLOW`` and
+        checked), or unreadable — is removed and named in :attr:`unreadable`; an entry of a step file that is not
+        a worker's answer fails its capture with an error naming the file."""
         try:
             names = os.listdir(self.dir)
         except OSError:
@@ -645,32 +648,51 @@ class Handover:
         for n in names:
             if not n.startswith("step.") or n.endswith(".tmp"):
                 continue
-            path = os.path.join(self.dir, n)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
+                self._take_file(n)
+            except Exception as e:  # noqa: BLE001 - whatever is in the folder, a scan goes on (and the loop too)
+                self.unreadable.append(f"handover file {n} unreadable: {type(e).__name__}: {_exc_text(e)}")
+                _remove_entry(os.path.join(self.dir, n))
+
+    def _take_file(self, n: str) -> None:
+        """Read, delete and decode the step file ``n`` (see :meth:`_scan`); raises for one that is not a worker's."""
+        import stat
+
+        import msgspec
+
+        path = os.path.join(self.dir, n)
+        try:  # a worker renames a regular file into place: anything else is refused without blocking on it
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return  # read (and deleted) by another scan meanwhile
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(st.st_size + 1)
+        finally:
+            os.close(fd)
+        _unlink(path)
+        try:
+            batch = msgspec.msgpack.decode(data)
+        except (msgspec.DecodeError, RecursionError) as e:  # not what a worker writes (renamed into place whole)
+            self.unreadable.append(f"handover file {n} unreadable ({len(data)} bytes): {type(e).__name__}: {e}")
+            return
+        if not isinstance(batch, dict):
+            self.unreadable.append(f"handover file {n} is not a worker's step file")
+            return
+        for k, env in batch.items():
+            content, _, cid = k.rpartition(".") if isinstance(k, str) else ("", "", "")
+            if not content or self.key(content, cid) != k:
+                self.unreadable.append(f"handover file {n} has an entry that is not a capture's")
                 continue
-            _unlink(path)
-            try:
-                batch = msgspec.msgpack.decode(data)
-            except msgspec.DecodeError as e:  # not what a worker writes (renamed into place whole): never trusted
-                self.unreadable.append(f"handover file {n} unreadable ({len(data)} bytes): {e}")
+            if k in self._dropped:  # discarded before its answer came
+                del self._dropped[k]
                 continue
-            if not isinstance(batch, dict):
-                self.unreadable.append(f"handover file {n} is not a worker's step file")
-                continue
-            for k, env in batch.items():
-                content, _, cid = k.rpartition(".") if isinstance(k, str) else ("", "", "")
-                if not content or self.key(content, cid) != k:
-                    self.unreadable.append(f"handover file {n} has an entry that is not a capture's")
-                    continue
-                if k in self._dropped:  # discarded before its answer came
-                    del self._dropped[k]
-                    continue
-                if not isinstance(env, dict) or not ("found" in env or "absent" in env):
-                    env = {"absent": "failed", "error": f"handover file {n}: the entry of {k} is not a worker's answer"}
-                self._ready[k] = env
+            if not isinstance(env, dict) or not ("found" in env or "absent" in env):
+                env = {"absent": "failed", "error": f"handover file {n}: the entry of {k} is not a worker's answer"}
+            self._ready[k] = env
 
     def read(self, content: str, capture_id: str) -> Mapping[str, Any] | None:
         """The worker's fetch answer for ``capture_id`` (forgotten once returned), or None if not (yet) written."""
@@ -686,48 +708,69 @@ class Handover:
         return env
 
     async def take(self, content: str, capture_id: str, wait_s: float = HANDOVER_WAIT_S) -> Mapping[str, Any] | None:
-        """:meth:`read`, waiting up to ``wait_s`` seconds for the file. All the takes waiting at a time share one
-        poller, which scans the folder when a step file is renamed into it (inotify), or, where it cannot be
-        watched, every :data:`HANDOVER_POLL_S` seconds after a new wait or answer (doubling per empty scan up to
-        :data:`HANDOVER_POLL_MAX_S`), and hands each waiting take its answer as soon as a scan finds it: a wave of
-        requests finishing together costs one scan per file, not one per request and period. A take cancelled
-        after its answer was found puts the answer back (a later take or :meth:`drop` finds it)."""
+        """:meth:`read`, waiting up to ``wait_s`` seconds (a number; 0 or less: no wait) for the file, then None.
+        The takes waiting on an event loop share one poller, which scans the folder when a step file is renamed
+        into it (inotify), or, where it cannot be watched (no inotify, or the watch serves another live loop),
+        :data:`HANDOVER_POLL_S` seconds after a new wait or answer (doubling per empty scan up to
+        :data:`HANDOVER_POLL_MAX_S`), and hands each waiting take its answer as soon as a scan finds it: a wave
+        of requests finishing together costs one scan per file, not one per request and period. Each take keeps
+        its own deadline (a timer on its loop), whatever the poller does. A take cancelled after its answer was
+        found puts the answer back (a later take or :meth:`drop` finds it). After :meth:`close`, no wait.
+
+        :raises ValueError: ``wait_s`` is not a number (NaN included)."""
         import asyncio
         import time
 
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s != wait_s:
+            raise ValueError(f"wait_s must be a number of seconds; got {wait_s!r}")
         env = self.read(content, capture_id)
         k = self.key(content, capture_id)
-        if env is not None or k is None or wait_s <= 0:
+        if env is not None or k is None or wait_s <= 0 or self._closed:
             return env
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._waiting.setdefault(k, []).append((fut, time.monotonic() + wait_s))
+        deadline = loop.call_later(wait_s, _no_answer, fut)
+        self._waiting.setdefault(k, []).append(fut)
         self._progress = time.monotonic()  # a new wait: look often again
-        if self._notify_fd is not None and self._notify_loop is None:
-            try:
-                loop.add_reader(self._notify_fd, self._on_notify)
-                self._notify_loop = loop
-            except (OSError, ValueError, RuntimeError, NotImplementedError):  # a loop without add_reader: polled
-                os.close(self._notify_fd)
-                self._notify_fd = None
-        if self._poller is None or self._poller.done():
-            self._poller = loop.create_task(self._poll(loop))
+        self._watch_on(loop)
+        poller = self._pollers.get(loop)
+        if poller is None or poller.done():
+            self._pollers[loop] = loop.create_task(self._poll(loop))
         try:
             return await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.result() is not None:  # found, then cancelled: kept
+            found = fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is not None
+            if found and not self._closed:  # found, then cancelled before it resumed: kept for a later take
                 self._ready[k] = fut.result()
                 self.taken -= 1
             raise
+        finally:
+            deadline.cancel()
+
+    def _watch_on(self, loop: Any) -> None:
+        """Let the inotify watch wake ``loop``'s poller, unless it serves another loop that is still open (that
+        loop's takes are woken; this one's are polled)."""
+        if self._notify_fd is None or self._notify_loop is loop:
+            return
+        if self._notify_loop is not None and not self._notify_loop.is_closed():
+            return
+        try:
+            loop.add_reader(self._notify_fd, self._on_notify)
+            self._notify_loop = loop
+        except (OSError, ValueError, RuntimeError, NotImplementedError):  # a loop without add_reader: polled
+            self._stop_watching()
+
+    def _waits_on(self, loop: Any) -> bool:
+        return any(not f.done() and f.get_loop() is loop for waiters in self._waiting.values() for f in waiters)
 
     async def _poll(self, loop: Any) -> None:
-        """Serve the waiting takes (see :meth:`take`) until none is left: after each rename event (inotify, on the
-        loop it is registered with), else every period."""
+        """Serve the takes waiting on ``loop`` (see :meth:`take`) until none is left: after each rename event
+        (inotify, when the watch is registered with ``loop``), else every period."""
         import asyncio
         import time
 
         pause, seen = HANDOVER_POLL_S, self._progress
-        while self._waiting:
+        while self._waits_on(loop):
             if self._notify_loop is loop:
                 if not self._notified:
                     self._wake = loop.create_future()
@@ -740,28 +783,17 @@ class Handover:
                 self._notified = False  # before the scan: an event during it asks for the next one
             else:
                 await asyncio.sleep(pause)
-            try:
-                self._scan()
-            except Exception as e:  # noqa: BLE001 - as a take's own read would: each waiting take raises it
-                for waiters in self._waiting.values():
-                    for f, _ in waiters:
-                        if not f.done():
-                            f.set_exception(e)
-                self._waiting.clear()
-                return
+            self._scan()  # never raises
             self.scans += 1
-            now = time.monotonic()
             for k in list(self._waiting):
-                waiters = [(f, d) for f, d in self._waiting[k] if not f.done()]
-                while waiters and k in self._ready:
-                    f, _ = waiters.pop(0)
+                waiters = [f for f in self._waiting[k] if not f.done()]
+                for f in [f for f in waiters if f.get_loop() is loop]:
+                    if k not in self._ready:
+                        break
+                    waiters.remove(f)
                     f.set_result(self._ready.pop(k))
                     self.taken += 1
-                    self._progress = now
-                for f, d in waiters:
-                    if d <= now:
-                        f.set_result(None)
-                waiters = [(f, d) for f, d in waiters if not f.done()]
+                    self._progress = time.monotonic()
                 if waiters:
                     self._waiting[k] = waiters
                 else:
@@ -797,7 +829,10 @@ class Handover:
                 loop.remove_reader(fd)
             except (RuntimeError, ValueError):  # (another thread's loop, or already gone)
                 pass
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError:  # closed elsewhere already (EBADF): nothing left to release
+            pass
 
     def drop(self, content: str, capture_id: str) -> None:
         """Forget ``capture_id``'s answer (discarded request): now if it was read, else when its file comes."""
@@ -818,20 +853,24 @@ class Handover:
 
     def close(self) -> None:
         """Remove the folder and everything in it (engine shutdown), then release its lock. Takes still waiting
-        get no answer (None: their fetch goes to the workers by RPC, which fails on a stopped engine)."""
-        _rmtree(self.dir)
-        self._ready.clear()
-        self._stop_watching()
-        waiting, self._waiting = self._waiting, {}
-        for waiters in waiting.values():
-            for f, _ in waiters:
-                try:  # (close may run outside the loop's thread)
-                    f.get_loop().call_soon_threadsafe(_no_answer, f)
-                except RuntimeError:  # its loop is closed: nobody waits any more
-                    pass
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
-            os.close(fd)
+        get no answer (None: their fetch goes to the workers by RPC, which fails on a stopped engine); later takes
+        do not wait. Each step is done even when an earlier one fails."""
+        self._closed = True
+        try:
+            _rmtree(self.dir)
+            self._ready.clear()
+            self._stop_watching()
+        finally:
+            waiting, self._waiting = self._waiting, {}
+            for waiters in waiting.values():
+                for f in waiters:
+                    try:  # (close may run outside the loop's thread)
+                        f.get_loop().call_soon_threadsafe(_no_answer, f)
+                    except RuntimeError:  # its loop is closed: nobody waits any more
+                        pass
+            fd, self._lock_fd = self._lock_fd, None
+            if fd is not None:
+                os.close(fd)
 
 
 #: inotify(7): IN_MOVED_TO (a name moved into the watched folder: a worker's step file renamed into place);
@@ -860,6 +899,20 @@ def _watch_renames(path: str) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _remove_entry(path: str) -> None:
+    """Remove ``path`` whatever it is (a file, a link, a FIFO: unlinked; a directory: removed with its contents,
+    links inside not followed); errors are ignored (what cannot be removed is named again by the next scan)."""
+    import shutil
+
+    try:
+        os.unlink(path)
+    except IsADirectoryError:
+        shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _no_answer(fut: Any) -> None:
