@@ -902,17 +902,12 @@ def _watch_renames(path: str) -> int | None:
 
 
 def _remove_entry(path: str) -> None:
-    """Remove ``path`` whatever it is (a file, a link, a FIFO: unlinked; a directory: removed with its contents,
-    links inside not followed); errors are ignored (what cannot be removed is named again by the next scan)."""
-    import shutil
-
-    try:
-        os.unlink(path)
-    except IsADirectoryError:
-        shutil.rmtree(path, ignore_errors=True)
-    except OSError:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+    """Remove ``path`` whatever it is: a directory (not a link to one) with its contents, anything else unlinked;
+    errors are ignored (what cannot be removed is named again by the next scan)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        _rmtree(path)
+    else:
+        _unlink(path)
 
 
 def _no_answer(fut: Any) -> None:
