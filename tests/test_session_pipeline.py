@@ -640,12 +640,12 @@ def test_worst_case_formula_is_exact(host):
 
 def test_worst_case_formula_stays_exact_when_headers_alike_but_not_equal_follow_each_other(host):
     """The header's JSON size is reused from the previous admission only for a header alike in every type:
-    temperature 1, 1.0 and True compare equal in Python but serialize as 1, 1.0 and true; each request's budget
-    still holds its own header's exact size."""
+    temperature 1, 1.0 and True (or 0.0 and -0.0) compare equal in Python but serialize as 1, 1.0 and true (0.0
+    and -0.0); each request's budget still holds its own header's exact size."""
     from genartifact import format as fmt
     from genartifact.session import MANIFEST_BASE_BYTES
 
-    for temp in (1, 1.0, True, 1, 0.5, 1.0):
+    for temp in (1, 1.0, True, 1, 0.5, 1.0, 0.0, -0.0, 0.0):  # -0.0 == 0.0, but JSON writes "-0.0"
         s = session(host, spec(["selected_logprobs"]))
         s.admit(10, 7, sampling={"temperature": temp})
         header = len(fmt.canonical_json(s._header))

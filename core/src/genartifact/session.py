@@ -589,24 +589,12 @@ def _json_size_upto(obj: Any, n: int, limit: int) -> int:
 _LAST_HEADER: tuple[Any, int] | None = None
 
 
-def _typed_key(obj: Any) -> Any:
-    """A hashable key of a header made of dicts, lists and scalars that tells apart what serializes differently
-    (``1``, ``1.0`` and ``True`` are equal but not alike); raises TypeError for anything else."""
-    t = type(obj)
-    if t is dict:
-        return (dict, tuple((k, _typed_key(v)) for k, v in obj.items()))
-    if t is list or t is tuple:
-        return (t, tuple(_typed_key(v) for v in obj))
-    if t in (str, int, float, bool) or obj is None:
-        return (t, obj)
-    raise TypeError(t.__name__)
-
-
 def _header_bytes(header: Mapping[str, Any]) -> int:
-    """``len(canonical_json(header))``, from the last header's when it is alike (see :data:`_LAST_HEADER`)."""
+    """``len(canonical_json(header))``, from the last header's when it is alike (:func:`~genartifact.format.alike_key`,
+    see :data:`_LAST_HEADER`)."""
     global _LAST_HEADER
     try:
-        key = _typed_key(header)
+        key = fmt.alike_key(header)
     except TypeError:
         return len(fmt.canonical_json(header))
     last = _LAST_HEADER

@@ -191,6 +191,10 @@ def test_admission_layout_cache_follows_the_config_object_and_its_contents():
     assert rc._layout_of(cfg) is a  # the same object, unchanged: cached
     cfg["num_experts_per_tok"] = 4
     assert rc._layout_of(cfg).top_k == 4  # changed in place: resolved again
+    cfg["num_experts_per_tok"] = 4.0  # equal to 4, but not an integer: resolved again, and refused as alone
+    with pytest.raises(AdmissionError, match="num_experts_per_tok"):
+        rc._layout_of(cfg)
+    cfg["num_experts_per_tok"] = 4
     other = {**cfg, "num_hidden_layers": 2}
     assert rc._layout_of(other).router_ids == (0, 1)
     bad = {**cfg, "num_experts_per_tok": 9}
