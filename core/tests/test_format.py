@@ -160,6 +160,40 @@ def test_small_bodies_keep_the_single_threaded_frame():
         assert enc.data[fmt.PRELUDE_SIZE:] == _streamed(body, 0, 1 << 20), n
 
 
+@pytest.mark.parametrize("level", [1, 3, 9])
+def test_small_body_one_shot_frame_is_the_streamed_frame(level):
+    """Bodies of at most 512 KiB are compressed in one ``compress`` call (``_compress_and_hash_small``) instead of
+    streamed piece by piece: the frame must be byte for byte the streamed procedure's, on both sides of zstd's
+    128 KiB block size and of the 512 KiB threshold, for repetitive and for incompressible bytes, whatever the
+    pieces; and the digest is of the stored bytes."""
+    rng = np.random.default_rng(level)
+    prelude = fmt.PRELUDE.pack(fmt.MAGIC, fmt.MAJOR, fmt.MINOR, fmt.CODEC_ZSTD)
+    below = fmt.ONE_SHOT_BELOW_BYTES
+    assert below <= fmt.ZSTDMT_JOBSIZE_MIN  # only single-threaded frames are ever made in one call
+    for n in (0, 1, 4095, (64 << 10), (128 << 10) - 1, 128 << 10, (128 << 10) + 1, 200_003, below - 1):
+        for body in (bytes(rng.integers(0, 256, n, dtype=np.uint8)), (b"route rows " * (n // 11 + 1))[:n]):
+            pieces = [body[: n // 3], memoryview(body)[n // 3 : n // 2], body[n // 2 :]]
+            c = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+            data, digest = fmt._compress_and_hash_small(c, pieces, n, lambda: None)
+            streamed = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False
+                                                ).compressobj(size=n)
+            frame = b"".join(streamed.compress(p) for p in pieces) + streamed.flush()
+            assert data == prelude + frame, (n, level)
+            assert digest == hashlib.sha256(data).hexdigest()
+    # at exactly 256 KiB the one-shot frame would differ (3 bytes shorter): that size is streamed by encode
+    body = bytes(rng.integers(0, 256, below, dtype=np.uint8))
+    one = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False).compress(body)
+    assert one != _streamed(body, 0, 1 << 20) or level != 1
+    inp = _logprobs_only(np.frombuffer(body, "<u4").copy())
+    enc = fmt.encode(inp, level=level)
+    plain = zstandard.ZstdDecompressor().decompress(enc.data[fmt.PRELUDE_SIZE:])
+    c = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False).compressobj(
+        size=len(plain))
+    assert enc.data[fmt.PRELUDE_SIZE:] == c.compress(plain) + c.flush()
+    with pytest.raises(ArtifactFormatError, match="lays out 5"):
+        fmt._compress_and_hash_small(zstandard.ZstdCompressor(), [b"abcd"], 5, lambda: None)
+
+
 def test_large_encode_validation_error_raises_and_returns_nothing():
     inp = multi_job_input()
     bad = inp.tensors[0].array.copy()

@@ -392,7 +392,10 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
     pid = os.getpid()
     cctx = _compressor(level, threads)
     try:
-        out = _compress_and_hash_with(cctx, pieces, size, validate, pid)
+        if size < ONE_SHOT_BELOW_BYTES:
+            out = _compress_and_hash_small(cctx, pieces, size, validate)
+        else:
+            out = _compress_and_hash_with(cctx, pieces, size, validate, pid)
     except BaseException:
         # An abandoned frame's compressor is never reused: libzstd's multi-threaded context, abandoned after some
         # but not all input (an error in a sink write or an input chunk), crashes (SIGSEGV) in the next frame's
@@ -405,6 +408,34 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
         raise
     _return_compressor(level, threads, cctx)
     return out
+
+
+#: bodies below this many bytes are compressed in one call (:func:`_compress_and_hash_small`). Below it the one-shot
+#: frame is the streamed one, byte for byte (swept: every size 2**k +- 1 and 3,000 random sizes up to 512 KiB, levels
+#: 1-19); at exactly 256 KiB and 512 KiB libzstd's one-shot frame is 3 bytes shorter than the streamed one (another
+#: window descriptor), so those sizes, and everything from 256 KiB up, keep the streamed procedure
+ONE_SHOT_BELOW_BYTES = 256 << 10
+
+
+def _compress_and_hash_small(cctx: Any, pieces: Sequence[Any], size: int, validate: Any) -> tuple[bytes, str]:
+    """:func:`_compress_and_hash` of a body of fewer than :data:`ONE_SHOT_BELOW_BYTES` bytes with the single-threaded
+    compressor ``cctx``: the pieces joined, ``validate()``, one ``ZSTD_compress2`` (python-zstandard's
+    ``compress``: the content size declared), then one SHA-256 of prelude + frame. The same frame as the streamed
+    procedure of :func:`_frame_pieces` (pinned by ``core/tests/test_format.py::
+    test_small_body_one_shot_frame_is_the_streamed_frame``) for less of its fixed cost: no stream writer (whose
+    128 KiB output buffer is allocated per frame), no sink, no per-piece calls. The
+    per-request artifacts of a run are all this size (a 64-token request with both built-in contents: ~2 KiB),
+    and their encode runs on the driver's event loop (docs/benchmarks.md, issue 13). ``validate`` raising
+    returns nothing; no zstd worker thread is involved, so a fork cannot strand one.
+
+    :raises ArtifactFormatError: the pieces do not hold exactly ``size`` bytes (the manifest's layout), as the
+        streamed frame's declared content size refuses them (an array whose ``nbytes`` lies)."""
+    body = b"".join(pieces)
+    if len(body) != size:
+        raise ArtifactFormatError(f"body pieces hold {len(body)} bytes; the manifest lays out {size}")
+    validate()
+    data = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD) + cctx.compress(body)
+    return data, hashlib.sha256(data).hexdigest()
 
 
 def _compress_and_hash_with(cctx: Any, pieces: Sequence[Any], size: int, validate: Any,

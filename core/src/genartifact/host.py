@@ -672,6 +672,7 @@ class PluginHost:
         self._small_pipelines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
+        self._readers: dict[str, Any] = {}  # content name -> its GuardedReader (found ones only: see reader())
 
     def _group_source(self, group: str) -> Iterable[Any]:
         kind = next(k for k, g in GROUPS.items() if g == group)
@@ -745,11 +746,23 @@ class PluginHost:
             sem = lanes[loop] = asyncio.Semaphore(small_pipeline_concurrency() if small else pipeline_concurrency())
         return sem
 
+    def reader(self, name: str) -> Any:
+        """The :class:`GuardedReader` of content ``name`` (``genartifact_content_reader``), or None. Asked once per
+        content for this host's life: a reader is a stateless validator (docs/plugins.md), and every artifact of a
+        run asked the hook again (a pluggy call per content per request on the driver's loop). A lookup that
+        finds none, or raises (:class:`PluginFault`), is not kept: the next call asks again."""
+        r = self._readers.get(name)
+        if r is None:
+            r = self.hooks.content_reader(name=name)
+            if r is not None:
+                self._readers[name] = r
+        return r
+
     def content_readers(self) -> dict[str, Any]:
         """``content name -> reader`` of every enabled content plugin that provides one (for encode)."""
         out = {}
         for p in self.enabled["contents"]:
-            r = self.hooks.content_reader(name=p.name)
+            r = self.reader(p.name)
             if r is not None:
                 out[p.name] = r
         return out

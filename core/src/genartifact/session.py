@@ -385,8 +385,7 @@ class ArtifactSession:
         tokens.extend(self._completion)
         import numpy as np
 
-        self._readers = {p.name: r for p in self._producers
-                         if (r := self.host.hooks.content_reader(name=p.name)) is not None}
+        self._readers = {p.name: r for p in self._producers if (r := self.host.reader(p.name)) is not None}
         return fmt.ArtifactInput(
             token_ids=np.frombuffer(tokens, dtype="<u4") if tokens else np.zeros(0, "<u4"),
             prompt_token_count=self.prompt_token_count,
@@ -407,7 +406,7 @@ class ArtifactSession:
                 raise RuntimeError("session released before its operation started")
             try:
                 readers = getattr(self, "_readers", None)
-                if _input_nbytes(inp) <= INLINE_ENCODE_BYTES:  # a thread hop costs more than encoding it here
+                if _encodes_inline(inp, budget):  # a thread hop costs more than encoding it here
                     enc = fmt.encode(inp, readers=readers)
                 else:
                     enc = await asyncio.to_thread(fmt.encode, inp, readers=readers)
@@ -531,6 +530,19 @@ class ArtifactSession:
 #: time plus the GIL hand-offs, which delay the engine's output processing on this same loop). Larger ones are
 #: encoded in a thread, so the loop never blocks for more than about a quarter of a millisecond.
 INLINE_ENCODE_BYTES = 64 * 1024
+
+
+def _encodes_inline(inp: fmt.ArtifactInput, budget: int) -> bool:
+    """Whether ``inp`` is small enough to encode on the event loop (:data:`INLINE_ENCODE_BYTES`). Decided by the
+    admitted worst case ``budget`` (decoded bytes) when it is at most that and the token ids and tensors are
+    exact numpy arrays (whose ``nbytes`` the producers' guard checked against the admission): nothing to walk.
+    Otherwise by :func:`_input_nbytes`, which stops counting at the limit."""
+    import numpy as np
+
+    if budget <= INLINE_ENCODE_BYTES and type(inp.token_ids) is np.ndarray and all(
+            type(getattr(t, "array", None)) is np.ndarray for t in inp.tensors):
+        return True
+    return _input_nbytes(inp) <= INLINE_ENCODE_BYTES
 
 
 def _input_nbytes(inp: fmt.ArtifactInput, limit: int = INLINE_ENCODE_BYTES) -> int:
