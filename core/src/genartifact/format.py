@@ -86,25 +86,6 @@ def canonical_json(obj: Any) -> bytes:
         raise ArtifactFormatError(f"manifest value not representable in canonical JSON: {e}") from None
 
 
-def alike_key(obj: Any) -> Any:
-    """A hashable snapshot of a JSON-like value (dicts, lists, tuples, str, int, float, bool, None) that keeps apart
-    what Python calls equal but JSON writes differently or a strict check tells apart: ``1``, ``1.0`` and ``True``;
-    ``0.0`` and ``-0.0`` (floats are keyed by their ``repr``, as ``json`` writes them). Two values with equal keys
-    have the same types and values throughout, in the same order, so they give the same canonical JSON and the
-    same result of any function of their contents (used to reuse such a result for the next request).
-    Raises TypeError for anything else (the caller then computes without reuse)."""
-    t = type(obj)
-    if t is dict:
-        return (dict, tuple((k, alike_key(v)) for k, v in obj.items()))
-    if t is list or t is tuple:
-        return (t, tuple(alike_key(v) for v in obj))
-    if t is float:
-        return (float, repr(obj))
-    if t in (str, int, bool) or obj is None:
-        return (t, obj)
-    raise TypeError(t.__name__)
-
-
 def route_dtype_code(max_expert_count: int) -> str:
     """Compact dtype code for expert ids: ``u8`` when every router has at most 256 experts, else ``u16``
     (the vLLM AuxOutput convention, ``routed_experts_capturer.py``). Raises ``ValueError`` above 65536."""

@@ -596,25 +596,11 @@ def _json_size_upto(obj: Any, n: int, limit: int) -> int:
 
 
 
-#: the last header sized at admission: (its typed key, its canonical-JSON bytes). The requests of a run mostly
-#: share one header (same engine, model and sampling), and serializing it again cost more than the key.
-_LAST_HEADER: tuple[Any, int] | None = None
-
-
 def _header_bytes(header: Mapping[str, Any]) -> int:
-    """``len(canonical_json(header))``, from the last header's when it is alike (:func:`~genartifact.format.alike_key`,
-    see :data:`_LAST_HEADER`)."""
-    global _LAST_HEADER
-    try:
-        key = fmt.alike_key(header)
-    except TypeError:
-        return len(fmt.canonical_json(header))
-    last = _LAST_HEADER
-    if last is not None and last[0] == key:
-        return last[1]
-    n = len(fmt.canonical_json(header))
-    _LAST_HEADER = (key, n)
-    return n
+    """``len(canonical_json(header))``: serialized every time. A cache of the last header keyed by a typed snapshot
+    (``alike_key``, 2026-12-03) cost more than the serializing it saved (14.6 against 13.5 µs per admission on the
+    AVX2 box of 2026-12-04, ``docs/benchmarks.md``) and was removed."""
+    return len(fmt.canonical_json(header))
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

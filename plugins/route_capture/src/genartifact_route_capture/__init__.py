@@ -32,7 +32,7 @@ import pluggy
 import structlog
 from genartifact.engine.worker_ext import discard_capture, fetch_capture
 from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
-from genartifact.format import DTYPES, TensorPart, alike_key, route_dtype_code
+from genartifact.format import DTYPES, TensorPart, route_dtype_code
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 
 from genartifact_route_capture.layout import RouterLayout, resolve_layout, worker_rows
@@ -305,26 +305,11 @@ def _native_routes_enabled(vcfg: Any) -> bool:
     return bool(getattr(vcfg.model_config, "enable_return_routed_experts", False))
 
 
-#: the last config resolved and its layout: (the config object, its :func:`~genartifact.format.alike_key`, its
-#: layout). Every request of an engine brings the same ``ModelInfo.hf_config``; resolving it again cost a few percent
-#: of the driver's per-request work. Reused only for that very object while its key is unchanged (a config changed
-#: in place, even from 2 to 2.0, is resolved again).
-_LAST_LAYOUT: tuple[Any, Any, RouterLayout] | None = None
-
-
 def _layout_of(cfg: Mapping[str, Any]) -> RouterLayout:
-    """:func:`resolve_layout` of ``cfg``, cached for the last config object (see :data:`_LAST_LAYOUT`)."""
-    global _LAST_LAYOUT
-    try:
-        key = alike_key(cfg)
-    except TypeError:  # not plain JSON-like values: resolved every time
-        return resolve_layout(cfg)
-    last = _LAST_LAYOUT
-    if last is not None and last[0] is cfg and last[1] == key:
-        return last[2]
-    lay = resolve_layout(cfg)  # raises for a bad config: nothing cached
-    _LAST_LAYOUT = (cfg, key, lay)
-    return lay
+    """:func:`resolve_layout` of ``cfg`` at each admission. A cache of the last config keyed by a typed snapshot of the
+    whole config (2026-12-03) cost twice the resolve it saved (31 against 14 µs per admission on the AVX2 box of
+    2026-12-04, ``docs/benchmarks.md``) and was removed; resolving every time also follows a config changed in place."""
+    return resolve_layout(cfg)
 
 
 def layout_for(cfg: Mapping[str, Any]) -> RouterLayout:
