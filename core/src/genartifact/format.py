@@ -392,9 +392,9 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
 
 
 #: bodies below this many bytes are compressed in one call (:func:`_compress_and_hash_small`). Below it the one-shot
-#: frame is the streamed one, byte for byte (swept: every size 2**k +- 1 and 3,000 random sizes up to 512 KiB, levels
-#: 1-19); at exactly 256 KiB and 512 KiB libzstd's one-shot frame is 3 bytes shorter than the streamed one (another
-#: window descriptor), so those sizes, and everything from 256 KiB up, keep the streamed procedure
+#: frame is the streamed one, byte for byte (swept: every size 2**k +- 1 and 3,000 random sizes up to 512 KiB at
+#: levels 1 and 3; 256-512 KiB at levels 9 and 19); at exactly 256 KiB and 512 KiB libzstd's one-shot frame is
+#: 3 bytes shorter than the streamed one, so those sizes, and everything from 256 KiB up, keep the streamed procedure
 ONE_SHOT_BELOW_BYTES = 256 << 10
 
 
