@@ -190,8 +190,9 @@ def test_small_body_one_shot_frame_is_the_streamed_frame(level):
     c = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False).compressobj(
         size=len(plain))
     assert enc.data[fmt.PRELUDE_SIZE:] == c.compress(plain) + c.flush()
-    with pytest.raises(ArtifactFormatError, match="lays out 5"):
-        fmt._compress_and_hash_small(zstandard.ZstdCompressor(), [b"abcd"], 5, lambda: None)
+    for size in (5, 300_001):  # both paths: a body whose pieces do not hold the manifest's layout is a format error
+        with pytest.raises(ArtifactFormatError, match=f"lays out {size}"):
+            fmt._compress_and_hash([b"abcd"], size, level, lambda: None)
 
 
 def test_large_encode_validation_error_raises_and_returns_nothing():

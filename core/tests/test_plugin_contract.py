@@ -584,6 +584,32 @@ def test_an_array_subclass_is_never_sized_by_its_own_nbytes(monkeypatch):
     assert ran == ["thread"]
 
 
+@pytest.mark.fault("session", "tensor whose nbytes lies about its data, small and large bodies")
+@pytest.mark.parametrize("elements", [10, 100_000])  # below and above format.ONE_SHOT_BELOW_BYTES
+def test_a_tensor_whose_nbytes_lies_fails_as_encode_failed_at_any_size(elements):
+    """The manifest lays a tensor out by its ``nbytes``; an array that reports more than it holds must fail its
+    artifact as ``encode_failed`` whatever the body's size (the streamed path once raised a zstd error for it:
+    ``internal_error``), and never be stored with a layout its bytes do not fill."""
+
+    class Liar(np.ndarray):
+        @property
+        def nbytes(self):
+            return np.ndarray.nbytes.__get__(self) + 64
+
+    class P(Echo):
+        def admit(self, ctx):
+            super().admit(ctx)
+            return 10 << 20
+
+        def finalize(self, final):
+            liar = np.zeros(elements, "<u4").view(Liar)
+            return {}, [TensorPart(f"{self.name}.values", np.asarray(self.vals, "<u4")),
+                        TensorPart(f"{self.name}.x", liar)]
+
+    res = run_session(make_host(contents={"echo": _plugin(P)}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "failed" and res.receipt["error_code"] == "encode_failed"
+
+
 @pytest.mark.fault("session", "inline-encode sizing of huge, deep or self-referencing sections")
 def test_inline_sizing_is_bounded_whatever_the_section():
     limit = session_mod.INLINE_ENCODE_BYTES

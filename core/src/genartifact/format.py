@@ -367,8 +367,14 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
     Compression and hashing therefore overlap: on this project's 2-core box encode + SHA-256 is faster than one
     single-threaded zstd call followed by a hash of its frame (``benchmarks/bench_encode.py``). Smaller bodies
     are compressed in this thread with a single-threaded compressor, which writes the same frame (libzstd does
-    not start workers for them, :data:`ZSTDMT_JOBSIZE_MIN`). ``validate`` raising drops the frame: nothing is
+    not start workers for them, :data:`ZSTDMT_JOBSIZE_MIN`); below :data:`ONE_SHOT_BELOW_BYTES`, in one call.
+    Pieces that do not hold exactly ``size`` bytes (an array whose ``nbytes`` lies about its data) raise
+    :class:`ArtifactFormatError` on every path (the streamed frame's declared size refused them with a zstd
+    error, an ``internal_error`` receipt instead of ``encode_failed``). ``validate`` raising drops the frame: nothing is
     returned, and no zstd worker is left reading the inputs (input is copied into zstd's own job buffers)."""
+    held = sum(memoryview(p).nbytes for p in pieces)
+    if held != size:  # an array whose nbytes lies: refused alike on both paths, before a compressor is taken
+        raise ArtifactFormatError(f"body pieces hold {held} bytes; the manifest lays out {size}")
     threads = 0 if size <= ZSTDMT_JOBSIZE_MIN else ENCODE_THREADS
     pid = os.getpid()
     cctx = _compressor(level, threads)
@@ -407,13 +413,9 @@ def _compress_and_hash_small(cctx: Any, pieces: Sequence[Any], size: int, valida
     128 KiB output buffer is allocated per frame), no sink, no per-piece calls. The
     per-request artifacts of a run are all this size (a 64-token request with both built-in contents: ~2 KiB),
     and their encode runs on the driver's event loop (docs/benchmarks.md, issue 13). ``validate`` raising
-    returns nothing; no zstd worker thread is involved, so a fork cannot strand one.
-
-    :raises ArtifactFormatError: the pieces do not hold exactly ``size`` bytes (the manifest's layout), as the
-        streamed frame's declared content size refuses them (an array whose ``nbytes`` lies)."""
+    returns nothing; no zstd worker thread is involved, so a fork cannot strand one. ``size`` (the pieces' total,
+    checked by the caller) is unused here: the one-call frame declares what it is given."""
     body = b"".join(pieces)
-    if len(body) != size:
-        raise ArtifactFormatError(f"body pieces hold {len(body)} bytes; the manifest lays out {size}")
     validate()
     data = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD) + cctx.compress(body)
     return data, hashlib.sha256(data).hexdigest()
