@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 from genartifact.testing.s3server import ACCESS_KEY as S3_KEY
@@ -32,12 +31,6 @@ def _no_leaked_genartifact_env():
                 os.environ.pop(k, None)
         pytest.fail(f"the test left environment variable(s) {changed} changed; use monkeypatch.setenv/delenv",
                     pytrace=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

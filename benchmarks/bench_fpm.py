@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -28,12 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from genartifact.testing import free_port  # noqa: E402
 
 
 async def workload(llm, prompts: list[list[int]], max_tokens: int, inflight: int) -> float:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from genartifact.testing import free_port
 
 #: off-grid shapes: batch sizes and token/context counts between (and beside) the grid's powers of two
 OFF_GRID = ([{"phase": "prefill", "batch": 1, "tokens": t} for t in (24, 96, 384, 768)] +
@@ -28,12 +29,6 @@ OFF_GRID = ([{"phase": "prefill", "batch": 1, "tokens": t} for t in (24, 96, 384
             [{"phase": "prefill", "batch": 2, "tokens": t, "kv": 128} for t in (192, 768)] +
             [{"phase": "decode", "batch": b, "context": c} for b in (3, 6, 12) for c in (24, 96, 384)] +
             [{"phase": "decode", "batch": 2, "context": 768}, {"phase": "decode", "batch": 8, "context": 48}])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fmt(xs: list[float]) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,9 +70,9 @@ def main() -> None:
     cfg = root / "c.toml"
     cfg.write_text(f'[plugins]\ncontents = ["moe_routes", "selected_logprobs"]\ntargets = ["managed_fsspec"]\n'
                    f'[targets.managed_fsspec.profiles.local]\nurl = "{root}/store"\nallowed_prefixes = ["runs/"]\n')
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from genartifact.testing import free_port
+
+    port = free_port()  # bound by the server once it has started: outside the ephemeral range
     proc = subprocess.Popen([sys.executable, "-m", "genartifact.cli", "serve", "--model", args.model, "--config",
                              str(cfg), "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=os.environ.copy())

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,12 @@ import uuid
 import httpx
 import pytest
 from genartifact import format as fmt
+from genartifact.testing import free_port
 
 pytestmark = [pytest.mark.engine]
 
 ENGINE = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--no-enable-prefix-caching",
           "--served-model-name", "tiny", "--max-num-seqs", "8"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, base: str, deadline: float, log) -> None:

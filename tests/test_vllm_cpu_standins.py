@@ -34,13 +34,11 @@ def _collectives_rank(rank: int, world: int, port: int, q) -> None:
 
 def test_cpu_collectives_standin_matches_the_contract():
     import multiprocessing as mp
-    import socket
 
     import torch
+    from genartifact.testing import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # bound later by the spawned ranks: outside the ephemeral range
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_collectives_rank, args=(r, 2, port, q)) for r in range(2)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from genartifact.errors import DeliveryError
+from genartifact.errors import DeliveryError, PluginFault
 from genartifact.testing import MemoryTarget, deltas, make_host, run_session
 from genartifact.testing.conformance import ContentConformance, TargetConformance
 
@@ -53,15 +53,20 @@ class Echo:
     """Stores each completion token id once more (u32 [C])."""
 
     def __init__(self, name):
-        self.name, self.vals = name, []
+        self.name, self.vals, self.max_tokens = name, [], 0
 
     def admit(self, ctx):
+        self.max_tokens = ctx.max_tokens
         return 4 * ctx.max_tokens + 64  # u32 per token + the manifest section
 
     def sampling_overrides(self, params):
         pass
 
     def on_delta(self, delta):
+        from genartifact.errors import CaptureError
+
+        if len(self.vals) + len(delta.new_token_ids) > self.max_tokens:  # its own bound, not only the session's
+            raise CaptureError(f"echo: more than the admitted {self.max_tokens} tokens")
         self.vals.extend(delta.new_token_ids)
 
     async def collect(self, final):
@@ -96,13 +101,18 @@ class LooseReader(StrictReader):
         pass  # accepts anything: not aligned to the tokens
 
 
-def echo_plugin(reader):
+class UnboundedEcho(Echo):
+    def on_delta(self, delta):
+        self.vals.extend(delta.new_token_ids)  # relies on the session's max_tokens check alone
+
+
+def echo_plugin(reader, producer=Echo):
     from genartifact.testing import hookimpl
 
     class Plugin:
         @hookimpl
         def genartifact_content_producer(self, name, model):
-            return Echo(name) if name == "echo" else None
+            return producer(name) if name == "echo" else None
 
         @hookimpl
         def genartifact_content_reader(self, name):
@@ -130,6 +140,22 @@ def test_content_suite_catches_a_content_ignoring_alignment():
         Suite().test_token_alignment_is_enforced_by_the_reader()
 
 
+def test_content_suite_catches_a_content_without_its_own_token_bound():
+    """A producer that keeps a few bytes per token and relies on the session's ``max_tokens`` check alone passed the
+    bound check while it was fed only four times the completion (its section's slack absorbed the excess); fed past
+    its admitted bytes it is caught."""
+
+    class Suite(ContentConformance):
+        content = "echo"
+
+        def make_host(self):
+            return make_host(contents={"echo": echo_plugin(StrictReader(), UnboundedEcho)})
+
+    with pytest.raises((AssertionError, PluginFault)):
+        Suite().test_recording_past_max_tokens_is_bounded()
+    TestEchoConformance().test_recording_past_max_tokens_is_bounded()  # the bounded one passes
+
+
 def test_deltas_builder_shapes():
     ds = deltas([1, 2], [3, 4, 5], logprobs=[-1.0, -2.0, -3.0], start_ns=100, step_ns=10)
     assert [d.new_token_ids for d in ds] == [[3], [4], [5]]
@@ -145,3 +171,38 @@ def test_run_session_reads_back_through_the_target():
     assert res.receipt["state"] == "ready" and res.data is not None
     assert np.array_equal(res.artifact.tensors["echo.values"], [7, 8, 9])
     assert res.artifact.summary() == {"echo": {"n": 3}}
+
+
+@pytest.mark.fault("kit", "test ports taken from the ephemeral range (released, then taken by an outbound connection)")
+def test_free_port_is_outside_the_ephemeral_range_and_free(monkeypatch, tmp_path):
+    """``free_port`` picks listener ports outside the host's ephemeral range (an ephemeral port released before its
+    listener binds it can go to any outbound connection: the intermittent 'Address already in use' of concurrent
+    engine runs), ``count`` consecutive and ``span`` apart, each free when returned."""
+    import socket
+
+    import genartifact.testing as kit
+
+    lo, hi = kit._ephemeral_range()
+    for _ in range(50):
+        p = kit.free_port(count=2, span=100)
+        for q in (p, p + 1, p + 100, p + 101):
+            assert not lo <= q <= hi and 10000 <= q <= 65535
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", q))  # free now
+    monkeypatch.setattr(kit, "_ephemeral_range", lambda: (10050, 65000))
+    picks = [kit.free_port() for _ in range(40)]
+    assert all(10000 <= q < 10050 or q > 65000 for q in picks), picks
+    monkeypatch.setattr(kit, "_ephemeral_range", lambda: (10000, 65535))
+    with pytest.raises(RuntimeError, match="no room outside the ephemeral range"):
+        kit.free_port()
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        kit.free_port(count=0)
+
+
+def test_ephemeral_range_is_read_from_the_kernel_file(tmp_path):
+    import genartifact.testing as kit
+
+    f = tmp_path / "r"
+    f.write_text("40000\t50000\n")
+    assert kit._ephemeral_range(str(f)) == (40000, 50000)
+    assert kit._ephemeral_range(str(tmp_path / "absent")) == kit._EPHEMERAL_DEFAULT

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import types
 from pathlib import Path
 
@@ -25,9 +24,10 @@ def tiny_model() -> Path:
 
 @pytest.fixture
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The base of two loopback ports (base + data-parallel rank 0 and 1) outside the ephemeral range."""
+    from genartifact.testing import free_port as kit_free_port
+
+    return kit_free_port(count=2)
 
 
 # ---- synthetic FPM benchmark artifacts from a known step-time law (engine-free fit/report tests)

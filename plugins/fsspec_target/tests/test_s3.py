@@ -233,9 +233,9 @@ def test_unresponsive_endpoint_times_out(s3_server, blackhole_port, profile, lim
 
 @pytest.mark.fault("s3", "refused endpoint")
 def test_refused_endpoint_fails_without_detail(s3_server):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from genartifact.testing import free_port
+
+    port = free_port()  # nobody listens there (outside the ephemeral range: no outbound connection takes it)
     t = target(at_endpoint(s3_server, port), max_attempts=2, connect_timeout_s=0.5)
     with structlog.testing.capture_logs() as logs, pytest.raises(DeliveryError) as e:
         deliver(t, key(), b"x")

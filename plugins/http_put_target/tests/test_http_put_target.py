@@ -288,12 +288,9 @@ def test_connection_reset_is_a_failure_not_retried(fault_server):
 
 @pytest.mark.fault("presigned", "connection refused")
 def test_connect_refused_retries_then_fails():
-    import socket
+    from genartifact.testing import free_port
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()  # nobody listens there (outside the ephemeral range: no outbound connection takes it)
     t = PresignedHttpPutTarget(settings(None, insecure_http_hosts=[f"127.0.0.1:{port}"]))
     sent = []
 

@@ -370,5 +370,60 @@ def wait_child(pid: int, timeout_s: float = 60.0) -> int | str:
     return "hung"
 
 
+#: where :func:`free_port` picks when the host's ephemeral range cannot be read (Linux's default range starts here)
+_EPHEMERAL_DEFAULT = (32768, 60999)
+
+
+def _ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    try:
+        with open(path, encoding="ascii") as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def free_port(count: int = 1, host: str = "127.0.0.1", *, span: int = 0) -> int:
+    """The first of ``count`` consecutive TCP ports of ``host`` that are free now, for a listener a test or benchmark
+    starts next (a server, the FPM publisher at base + rank). Picked at random *outside* the host's ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``; from 10000 up to the range's start, else above its end), each
+    checked by binding it. A port taken from the ephemeral range (``bind(("127.0.0.1", 0))``) and released can be
+    handed to any process's next outbound connection before the listener binds it: the intermittent ``Address
+    already in use`` of concurrent engine runs. Outside the range only another listener can take it, and a random
+    pick makes two concurrent callers unlikely to meet. ``span``: the ports ``p + span`` .. ``p + span + count - 1``
+    must be free too and outside the range (a server whose second listener sits at a fixed offset, e.g.
+    SeaweedFS's gRPC port at +10000).
+
+    :raises ValueError: ``count`` < 1 or ``span`` < 0.
+    :raises RuntimeError: no such ports found in 500 tries."""
+    import random
+    import socket
+
+    if count < 1 or span < 0:
+        raise ValueError(f"free_port: count must be >= 1 and span >= 0; got count={count}, span={span}")
+    lo, hi = _ephemeral_range()
+    top = span + count  # the highest port used is p + top - 1
+    windows = [(w0, w1) for w0, w1 in ((10000, lo - top), (hi + 1, 65536 - top)) if w1 > w0]
+    if not windows:
+        raise RuntimeError(f"free_port: no room outside the ephemeral range {lo}..{hi} for {count} port(s) + {span}")
+
+    def bindable(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+        return True
+
+    rng = random.SystemRandom()
+    for _ in range(500):
+        w0, w1 = windows[0] if len(windows) == 1 or rng.random() < 0.9 else windows[1]
+        p = rng.randrange(w0, w1)
+        wanted = [*range(p, p + count), *(range(p + span, p + span + count) if span else ())]
+        if all(bindable(q) for q in wanted):
+            return p
+    raise RuntimeError(f"free_port: no {count} free port(s) of {host} found outside the ephemeral range {lo}..{hi}")
+
+
 __all__ = ["TINY_MOE_CONFIG", "FakeEngine", "MemoryTarget", "MemoryTargetPlugin", "SessionResult", "arun_session",
-           "deltas", "hookimpl", "make_host", "model_info", "run_session", "wait_child"]
+           "deltas", "free_port", "hookimpl", "make_host", "model_info", "run_session", "wait_child"]

@@ -370,7 +370,10 @@ class ContentConformance:
 
     def test_recording_past_max_tokens_is_bounded(self) -> None:
         """Drive more completion tokens than admitted: the content must refuse (``CaptureError``) or keep
-        its retained bytes within what it admitted — never grow without a bound."""
+        its retained bytes within what it admitted — never grow without a bound. The producer is fed past the
+        session's own ``max_tokens`` check, and with more tokens than its largest admitted byte count (at most
+        65,536), so a content that keeps even one byte per token without a bound of its own exceeds what it
+        admitted (with a few tokens only, the slack of its section's bytes hid such a content)."""
         from genartifact.errors import CaptureError
         from genartifact.session import ArtifactSession
         from genartifact.spec import parse_request
@@ -381,9 +384,10 @@ class ContentConformance:
                 "delivery": {"mode": "object_store", "target": {"kind": "memory", "object_key": "k"}}}
         s = ArtifactSession.for_request(host, parse_request(spec), self.model(), {"memory": {}})
         admitted_tokens = max(1, len(self.completion) // 2)
-        over = list(self.completion) * 4
         s.admit(len(self.prompt), admitted_tokens, sampling=dict(self.sampling))
         s.sampling_overrides(dict(self.sampling))
+        n = max(4 * len(self.completion), min(1 << 16, 1 + max((p.admitted or 0) for p in s._producers)))
+        over = (list(self.completion) * (n // len(self.completion) + 1))[:n]
         try:
             for d in deltas(self.prompt, over, per_step=True, logprobs=self._logprobs_for(over)):
                 try:

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -70,34 +69,27 @@ def weed_binary() -> str:
     return cand
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def free_ports(n: int, taken: tuple[int, ...] = ()) -> list[int]:
+    """``n`` distinct loopback ports free right now, none in ``taken``, each outside the host's ephemeral range
+    (:func:`genartifact.testing.free_port`: an ephemeral port released before ``weed`` binds it can be taken by
+    any outbound connection meanwhile)."""
+    from genartifact.testing import free_port
 
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free right now (bound together, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    out: list[int] = []
+    while len(out) < n:
+        p = free_port()
+        if p not in out and p not in taken:
+            out.append(p)
+    return out
 
 
 def _port_pair() -> tuple[int, int]:
-    """A free port ``p`` below 55536 with ``p + 10000`` also free (for listeners whose gRPC port is implied)."""
-    for _ in range(200):
-        (p,) = free_ports(1)
-        if p + GRPC_PORT_OFFSET < 65536 and _bindable(p + GRPC_PORT_OFFSET):
-            return p, p + GRPC_PORT_OFFSET
-    raise S3ServerError("no free loopback port pair (p, p+10000) found")
+    """A free port ``p`` with ``p + 10000`` also free (for listeners whose gRPC port is implied), both outside the
+    ephemeral range."""
+    from genartifact.testing import free_port
+
+    p = free_port(span=GRPC_PORT_OFFSET)
+    return p, p + GRPC_PORT_OFFSET
 
 
 class SeaweedS3:
@@ -156,7 +148,7 @@ class SeaweedS3:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         admin, admin_grpc = _port_pair()
         names = ["s3", "s3.grpc", "master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc"]
-        self.ports = dict(zip(names, free_ports(len(names)), strict=True))
+        self.ports = dict(zip(names, free_ports(len(names), (admin, admin_grpc)), strict=True))
         self.ports.update({"admin": admin, "admin.grpc": admin_grpc})
         self.port = self.ports["s3"]
         argv = [weed, "mini", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
