@@ -162,9 +162,9 @@ def test_small_bodies_keep_the_single_threaded_frame():
 
 @pytest.mark.parametrize("level", [1, 3, 9])
 def test_small_body_one_shot_frame_is_the_streamed_frame(level):
-    """Bodies of at most 512 KiB are compressed in one ``compress`` call (``_compress_and_hash_small``) instead of
+    """Bodies below 256 KiB are compressed in one ``compress`` call (``_compress_and_hash_small``) instead of
     streamed piece by piece: the frame must be byte for byte the streamed procedure's, on both sides of zstd's
-    128 KiB block size and of the 512 KiB threshold, for repetitive and for incompressible bytes, whatever the
+    128 KiB block size and up to the 256 KiB threshold, for repetitive and for incompressible bytes, whatever the
     pieces; and the digest is of the stored bytes."""
     rng = np.random.default_rng(level)
     prelude = fmt.PRELUDE.pack(fmt.MAGIC, fmt.MAJOR, fmt.MINOR, fmt.CODEC_ZSTD)
@@ -174,7 +174,7 @@ def test_small_body_one_shot_frame_is_the_streamed_frame(level):
         for body in (bytes(rng.integers(0, 256, n, dtype=np.uint8)), (b"route rows " * (n // 11 + 1))[:n]):
             pieces = [body[: n // 3], memoryview(body)[n // 3 : n // 2], body[n // 2 :]]
             c = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-            data, digest = fmt._compress_and_hash_small(c, pieces, n, lambda: None)
+            data, digest = fmt._compress_and_hash_small(c, pieces, lambda: None)
             streamed = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False
                                                 ).compressobj(size=n)
             frame = b"".join(streamed.compress(p) for p in pieces) + streamed.flush()

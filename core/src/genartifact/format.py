@@ -380,7 +380,7 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
     cctx = _compressor(level, threads)
     try:
         if size < ONE_SHOT_BELOW_BYTES:
-            out = _compress_and_hash_small(cctx, pieces, size, validate)
+            out = _compress_and_hash_small(cctx, pieces, validate)
         else:
             out = _compress_and_hash_with(cctx, pieces, size, validate, pid)
     except BaseException:
@@ -404,7 +404,7 @@ def _compress_and_hash(pieces: Sequence[Any], size: int, level: int, validate: A
 ONE_SHOT_BELOW_BYTES = 256 << 10
 
 
-def _compress_and_hash_small(cctx: Any, pieces: Sequence[Any], size: int, validate: Any) -> tuple[bytes, str]:
+def _compress_and_hash_small(cctx: Any, pieces: Sequence[Any], validate: Any) -> tuple[bytes, str]:
     """:func:`_compress_and_hash` of a body of fewer than :data:`ONE_SHOT_BELOW_BYTES` bytes with the single-threaded
     compressor ``cctx``: the pieces joined, ``validate()``, one ``ZSTD_compress2`` (python-zstandard's
     ``compress``: the content size declared), then one SHA-256 of prelude + frame. The same frame as the streamed
@@ -413,8 +413,8 @@ def _compress_and_hash_small(cctx: Any, pieces: Sequence[Any], size: int, valida
     128 KiB output buffer is allocated per frame), no sink, no per-piece calls. The
     per-request artifacts of a run are all this size (a 64-token request with both built-in contents: ~2 KiB),
     and their encode runs on the driver's event loop (docs/benchmarks.md, issue 13). ``validate`` raising
-    returns nothing; no zstd worker thread is involved, so a fork cannot strand one. ``size`` (the pieces' total,
-    checked by the caller) is unused here: the one-call frame declares what it is given."""
+    returns nothing; no zstd worker thread is involved, so a fork cannot strand one. The caller has checked that the
+    pieces hold the manifest's layout: the one-call frame declares the size it is given."""
     body = b"".join(pieces)
     validate()
     data = PRELUDE.pack(MAGIC, MAJOR, MINOR, CODEC_ZSTD) + cctx.compress(body)

@@ -182,21 +182,21 @@ def test_recorder_torch_missing_layer_leaves_positions_unfilled():
 
 
 def test_admission_layout_follows_the_config_and_its_contents():
-    """Admission resolves the config it is given each time: a config changed in place, or another config, gives its
-    own layout (and a bad one fails admission, every time)."""
+    """Admission resolves the config it is given each time (``resolve_layout``, no cache): a config changed in place,
+    or another config, gives its own layout (and a bad one fails admission, every time)."""
     import genartifact_route_capture as rc
 
     cfg = {"model_type": "mixtral", "num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2}
-    assert rc._layout_of(cfg).top_k == 2
+    assert rc.layout_for(cfg).top_k == 2
     cfg["num_experts_per_tok"] = 4
-    assert rc._layout_of(cfg).top_k == 4  # changed in place: resolved again
+    assert rc.layout_for(cfg).top_k == 4  # changed in place: resolved again
     cfg["num_experts_per_tok"] = 4.0  # equal to 4, but not an integer: refused
     with pytest.raises(AdmissionError, match="num_experts_per_tok"):
-        rc._layout_of(cfg)
+        rc.layout_for(cfg)
     cfg["num_experts_per_tok"] = 4
     other = {**cfg, "num_hidden_layers": 2}
-    assert rc._layout_of(other).router_ids == (0, 1)
+    assert rc.layout_for(other).router_ids == (0, 1)
     bad = {**cfg, "num_experts_per_tok": 9}
     for _ in range(2):
         with pytest.raises(AdmissionError, match="exceeds expert count"):
-            rc._layout_of(bad)
+            rc.layout_for(bad)

@@ -74,7 +74,7 @@ class MoeRoutes:
                 "moe_routes via the worker path cannot see prefix-cached tokens (they are never recomputed); "
                 "start the engine with enable_prefix_caching=False"
             )
-        self.layout = _layout_of(ctx.model.hf_config)
+        self.layout = resolve_layout(ctx.model.hf_config)  # every admission: the config it is given
         self.start = ctx.routes_start
         self._max_rows = max(0, ctx.prompt_token_count + ctx.max_tokens - 1 - self.start)
         per_row = self.layout.routers * self.layout.top_k * self.layout.itemsize
@@ -303,13 +303,6 @@ def _native_routes_enabled(vcfg: Any) -> bool:
     if aux is not None and getattr(aux, "enable_return_routed_experts", False):
         return True
     return bool(getattr(vcfg.model_config, "enable_return_routed_experts", False))
-
-
-def _layout_of(cfg: Mapping[str, Any]) -> RouterLayout:
-    """:func:`resolve_layout` of ``cfg`` at each admission. A cache of the last config keyed by a typed snapshot of the
-    whole config (2026-12-03) cost twice the resolve it saved (31 against 14 µs per admission on the AVX2 box of
-    2026-12-04, ``docs/benchmarks.md``) and was removed; resolving every time also follows a config changed in place."""
-    return resolve_layout(cfg)
 
 
 def layout_for(cfg: Mapping[str, Any]) -> RouterLayout:
