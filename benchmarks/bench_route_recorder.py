@@ -5,8 +5,8 @@ compact step buffer as it arrives: a numpy view, ``torch.from_numpy`` and a ``co
     .venv/bin/python benchmarks/bench_route_recorder.py [--rounds 8] [--steps 400]
 
 Shapes: decode steps of ``T`` flagged requests (one token each) through ``R`` MoE layers with top-``k``: the tiny
-model (4 × top-2), the 45M model (6 × top-4) and a 48-layer top-8 model (Qwen3-30B-A3B's router layout) at 16
-and 64 requests per step. The cost is per layer per step and does not depend on the model's FLOPs: a GPU
+model (4 × top-2), the 45M model (6 × top-4) and a 48-layer top-8 model (Qwen3-30B-A3B's router layout) at 16,
+64 and 256 requests per step. The cost is per layer per step and does not depend on the model's FLOPs: a GPU
 engine with steps of a few milliseconds pays it too (there the per-layer copy was also a device-to-host copy,
 i.e. a synchronisation, per layer). Reports CPU µs per step (``time.process_time``), rotated rounds.
 """
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     add_smoke(ap)
     args = ap.parse_args()
-    shapes = [(4, 16, 2), (6, 16, 4), (48, 16, 8), (48, 64, 8)]
+    shapes = [(4, 16, 2), (6, 16, 4), (48, 16, 8), (48, 64, 8), (48, 256, 8)]
     if args.smoke:
         args.rounds, args.steps, shapes = 1, 5, [(4, 4, 2)]
     print(load_line())

@@ -3,9 +3,11 @@
 Rows are attributed by *absolute token position*: a step is described by segments
 ``(capture_id, start_position, num_tokens)`` in the order the tokens were flattened into the forward
 batch. Each MoE layer's ``topk_ids [num_tokens_in_step, top_k]`` is kept by reference during the forward (no
-copy, no device sync per layer); at step end the layers are stacked and converted to the compact dtype in one
-operation each (one device-to-host copy on a GPU) and each segment is scattered into its request's buffer
-``[routers, positions, top_k]``. This relies on the router not writing into ``topk_ids`` after handing them to
+copy, no device sync per layer); at step end the layers are stacked token-major and converted to the compact
+dtype in one operation each (one device-to-host copy on a GPU) and each segment is scattered into its request's
+buffer ``[positions, routers, top_k]`` (position-major: a decode step writes one contiguous row per request, the
+work this recorder does per request per step on the engine's critical path; :meth:`RouteRecorder.fetch` hands
+rows over router-major). This relies on the router not writing into ``topk_ids`` after handing them to
 its capture callback: true in vLLM 0.32, whose EPLB mapping and index-dtype conversion after the callback are
 out of place (``BaseRouter._select_experts``); the route tests compare every row with an independent
 transformers forward, so a router that did would be caught there.
@@ -27,20 +29,21 @@ _TORCH_DTYPES: dict[str, Any] = {}
 
 @dataclass
 class _Req:
-    buf: np.ndarray  # [routers, capacity, top_k]
+    buf: np.ndarray  # [capacity, routers, top_k]
     filled: np.ndarray  # bool [capacity]
     max_pos: int = 0
+    cap: int = 0  # buf.shape[0]
 
     def ensure(self, n: int) -> None:
-        cap = self.buf.shape[1]
+        cap = self.cap
         if n <= cap:
             return
         new = max(n, 2 * cap, 64)
-        buf = np.zeros((self.buf.shape[0], new, self.buf.shape[2]), self.buf.dtype)
-        buf[:, :cap] = self.buf
+        buf = np.zeros((new, *self.buf.shape[1:]), self.buf.dtype)
+        buf[:cap] = self.buf
         filled = np.zeros(new, bool)
         filled[:cap] = self.filled
-        self.buf, self.filled = buf, filled
+        self.buf, self.filled, self.cap = buf, filled, new
 
 
 @dataclass
@@ -97,19 +100,19 @@ class RouteRecorder:
             self._stash[i] = topk_ids
 
     def _step_rows(self, stash: list[Any]) -> np.ndarray:
-        """The step's rows ``[routers, tokens_in_step, top_k]`` in the recorder's dtype, from the layers' arrays:
+        """The step's rows ``[tokens_in_step, routers, top_k]`` in the recorder's dtype, from the layers' arrays:
         one stack and one conversion (and one device-to-host copy for device tensors)."""
         total = self._total
         if any(a.shape[0] != total for a in stash):
             stash = [a[:total] for a in stash]
         if isinstance(stash[0], np.ndarray):
-            return np.stack(stash).astype(self.dtype, copy=False)
+            return np.stack(stash, axis=1).astype(self.dtype, copy=False)
         import torch
 
         tdt = _TORCH_DTYPES.get(self.dtype.str)
         if tdt is None:
             tdt = _TORCH_DTYPES[self.dtype.str] = torch.from_numpy(np.empty(0, self.dtype)).dtype
-        return torch.stack(stash).detach().to(device="cpu", dtype=tdt).numpy()
+        return torch.stack(stash, dim=1).detach().to(device="cpu", dtype=tdt).numpy()
 
     def end_step(self) -> None:
         """Scatter the step's rows to each flagged request by absolute position."""
@@ -121,24 +124,34 @@ class RouteRecorder:
             for cid, _start, _n, _off in self._segments:
                 self._req(cid)
             return
-        step = self._step_rows(stash)
+        step = self._step_rows(stash)  # [tokens, routers, top_k]
+        reqs, max_positions = self.reqs, self.max_positions
         for cid, start, n, off in self._segments:
-            r = self.reqs.get(cid) or self._req(cid)
-            end = min(start + n, self.max_positions)
-            if end <= start:
-                continue
-            if end > r.buf.shape[1]:
-                r.ensure(end)
-            filled = r.filled
-            if end - start == 1:  # a decode step: scalar bookkeeping (numpy reductions cost more than the copy)
+            r = reqs.get(cid)
+            if r is None:
+                r = self._req(cid)
+            if n == 1:  # a decode step (most rows): one row, scalar bookkeeping
+                if start >= max_positions:
+                    continue
+                if start >= r.cap:
+                    r.ensure(start + 1)
+                filled = r.filled
                 if filled[start]:
                     self.recomputed_positions += 1
                 filled[start] = True
-                r.buf[:, start] = step[:, off]
-            else:
-                self.recomputed_positions += int(np.count_nonzero(filled[start:end]))
-                filled[start:end] = True
-                r.buf[:, start:end] = step[:, off : off + (end - start)]
+                r.buf[start] = step[off]
+                if start >= r.max_pos:
+                    r.max_pos = start + 1
+                continue
+            end = min(start + n, max_positions)
+            if end <= start:
+                continue
+            if end > r.cap:
+                r.ensure(end)
+            filled = r.filled
+            self.recomputed_positions += int(np.count_nonzero(filled[start:end]))
+            filled[start:end] = True
+            r.buf[start:end] = step[off : off + (end - start)]
             if end > r.max_pos:
                 r.max_pos = end
         self.steps += 1
@@ -146,7 +159,7 @@ class RouteRecorder:
     def _req(self, cid: str) -> _Req:
         r = self.reqs.get(cid)
         if r is None:
-            r = self.reqs[cid] = _Req(np.zeros((len(self.router_ids), 0, self.top_k), self.dtype), np.zeros(0, bool))
+            r = self.reqs[cid] = _Req(np.zeros((0, len(self.router_ids), self.top_k), self.dtype), np.zeros(0, bool))
         return r
 
     def fetch(self, cid: str, start: int, end: int) -> dict[str, Any] | None:
@@ -160,7 +173,7 @@ class RouteRecorder:
         start = min(max(0, start), end)
         r.ensure(end)
         holes = np.nonzero(~r.filled[start:end])[0]
-        data = np.ascontiguousarray(r.buf[:, start:end])
+        data = np.ascontiguousarray(r.buf[start:end].transpose(1, 0, 2))  # [routers, n, top_k]
         return {
             "shape": list(data.shape),
             "dtype": data.dtype.str,
