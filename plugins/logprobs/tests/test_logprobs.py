@@ -97,6 +97,31 @@ def test_flagged_rows_log_softmax_is_bitwise_the_whole_batch_one(vocab, dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("sampled_dtype", ["int32", "int64"])
+def test_selected_values_read_the_sampled_tokens_logprobs(sampled_dtype):
+    """The worker's read of each flagged row's sampled token and its logprob (numpy views of host tensors) gives
+    exactly what torch's gather gives, for every row or a subset, with the sampler's int32/int64 ids; a negative id
+    raises instead of reading the row from its end."""
+    import torch
+    from genartifact_logprobs.worker import flagged_log_softmax, selected_values
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn((9, 512), generator=g) * 3
+    sampled = torch.randint(0, 512, (9, 1), generator=g).to(getattr(torch, sampled_dtype))
+    for rows in (list(range(9)), [0, 4, 8], [5]):
+        all_rows = rows == list(range(9))
+        idx = torch.tensor(rows, dtype=torch.long)
+        lp = flagged_log_softmax(logits, idx, all_rows)
+        toks, vals = selected_values(lp, sampled, None if all_rows else idx, all_rows)
+        want = sampled.index_select(0, idx)[:, 0].long()
+        assert toks == want.tolist() and all(type(t) is int for t in toks)
+        assert vals == lp.gather(1, want[:, None])[:, 0].tolist() and all(type(v) is float for v in vals)
+    bad = sampled.clone()
+    bad[3, 0] = -1
+    with pytest.raises(IndexError, match="-1"):
+        selected_values(flagged_log_softmax(logits, None, True), bad, None, True)
+
+
 def worker_sourced(answer):
     """A worker-sourced producer (the engine runs the worker capture, raw_logprobs) whose fetch gets ``answer``."""
     import asyncio

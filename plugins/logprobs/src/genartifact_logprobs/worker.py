@@ -37,6 +37,28 @@ def flagged_log_softmax(logits: Any, idx: Any, all_rows: bool) -> Any:
     return sub.log_softmax(dim=-1, dtype=torch.float32)
 
 
+def selected_values(lp: Any, sampled_token_ids: Any, idx: Any, all_rows: bool) -> tuple[list[int], list[float]]:
+    """The sampled token ids and their logprobs as Python lists (``n`` each): ``lp`` float32 ``[n, vocab]`` (the
+    flagged rows' log-softmax), ``sampled_token_ids`` int ``[batch, >= 1]`` (the sampler's output: column 0 is the
+    sampled token), ``idx`` / ``all_rows`` as for :func:`flagged_log_softmax`. Host tensors are read through numpy
+    views (no torch op: on vLLM-CPU each small torch op costs the worker's critical path several microseconds,
+    ``docs/benchmarks.md``, issue 13, tenth pass); device tensors gather on the device and copy the ``n`` values.
+    The values are the same either way: an index, no arithmetic. Raises IndexError (numpy) or RuntimeError
+    (torch) for a token id outside ``0 .. vocab-1``."""
+    import numpy as np
+
+    if lp.device.type == "cpu" and sampled_token_ids.device.type == "cpu":
+        s = sampled_token_ids.numpy()
+        tok = s[:, 0] if all_rows else s[idx.numpy(), 0]
+        if tok.size and tok.min() < 0:  # numpy would read the row from its end; torch's gather raises
+            raise IndexError(f"sampled token id {int(tok.min())} out of range for the logprobs' vocabulary")
+        vals = lp.numpy()[np.arange(tok.shape[0]), tok]
+        return tok.tolist(), vals.tolist()
+    sampled = sampled_token_ids if all_rows else sampled_token_ids.index_select(0, idx)
+    t = sampled[:, 0].long()
+    return t.tolist(), lp.gather(1, t[:, None])[:, 0].tolist()
+
+
 class LogprobCapture(WorkerCapture):
     """``pop(cid, [])`` -> ``{"positions": [...], "token_ids": [...], "logprobs": [...]}`` sorted by position."""
 
@@ -66,11 +88,9 @@ class LogprobCapture(WorkerCapture):
             # before the sampler, which may change the logits in place (temperature, penalties)
             lp = flagged_log_softmax(logits, idx, all_rows)
             out = orig_forward(logits, sampling_metadata, *a, **kw)
-            sampled = out.sampled_token_ids if all_rows else out.sampled_token_ids.index_select(0, idx)
-            tok = sampled[:, 0].long()
-            vals = lp.gather(1, tok[:, None])[:, 0]
+            toks, vals = selected_values(lp, out.sampled_token_ids, idx, all_rows)
             store = self.store
-            for (_, cid, pos), t, v in zip(rows, tok.tolist(), vals.tolist(), strict=True):
+            for (_, cid, pos), t, v in zip(rows, toks, vals, strict=True):
                 entries = store.get(cid)
                 if entries is None:
                     entries = store[cid] = {}
