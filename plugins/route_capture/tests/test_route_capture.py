@@ -105,6 +105,75 @@ def test_recorder_decode_steps_scalar_path_counts_recompute_and_grows():
     assert arr[0, 2:69].tolist() == [[p, p + 1] for p in range(2, 69)] and arr[:, 69].tolist() == [[7, 8], [8, 7]]
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_recorder_matches_a_reference_over_random_steps(seed):
+    """Random steps (prefill chunks, decode rows right after a request's last one, recomputes of earlier
+    positions, gaps, positions past ``max_positions``, unflagged requests, fetches and discards mid-run) against a
+    plain reference (position -> latest row): every fetch's rows, missing range, the recompute count and the
+    retained bytes agree, whichever path (the decode tail or the buffer) held the rows."""
+    rng = np.random.default_rng(seed)
+    routers, k, max_positions = (0, 2, 5), 3, 90
+    rec = RouteRecorder(router_ids=routers, top_k=k, dtype=np.dtype("u1"), max_positions=max_positions)
+    ref: dict[str, dict[int, list[list[int]]]] = {}  # cid -> position -> [routers][top_k]
+    recomputed = 0
+    nxt: dict[str, int] = {}
+    for _ in range(160):
+        segs, cids = [], [f"c{i}" for i in rng.choice(6, size=int(rng.integers(1, 5)), replace=False)]
+        for cid in cids:
+            at = nxt.get(cid, 0)
+            r = rng.random()
+            if r < 0.6:
+                start, n = at, 1  # the next decode row
+            elif r < 0.75:
+                start, n = at, int(rng.integers(2, 9))  # a prefill chunk
+            elif r < 0.9:
+                start = int(rng.integers(0, at + 1))  # a recompute from an earlier position
+                n = int(rng.integers(1, 6))
+            else:
+                start, n = at + int(rng.integers(1, 4)), 1  # a gap (positions never computed)
+            segs.append((cid, start, n))
+            nxt[cid] = max(at, start + n)
+        if rng.random() < 0.3:
+            segs.insert(int(rng.integers(0, len(segs) + 1)), (None, 0, int(rng.integers(1, 4))))  # not flagged
+        total = sum(n for _, _, n in segs)
+        layers = {lid: rng.integers(0, 256, (total + int(rng.integers(0, 3)), k), dtype=np.int64) for lid in routers}
+        rec.begin_step(segs)
+        for lid in rng.permutation(routers):
+            rec.on_layer(int(lid), layers[int(lid)])
+        rec.end_step()
+        off = 0
+        for cid, start, n in segs:
+            if cid is not None:
+                rows = ref.setdefault(cid, {})
+                for j in range(n):
+                    if start + j < max_positions:
+                        recomputed += (start + j) in rows
+                        rows[start + j] = [layers[lid][off + j].tolist() for lid in routers]
+            off += n
+        assert rec.recomputed_positions == recomputed
+        assert rec.retained_bytes() >= sum(len(v) for v in ref.values()) * len(routers) * k
+        if rng.random() < 0.15 and ref:
+            cid = str(rng.choice(sorted(ref)))
+            if rng.random() < 0.3:
+                assert rec.discard(cid)
+                ref.pop(cid)
+                nxt.pop(cid, None)
+                continue
+            start, end = int(rng.integers(0, 10)), int(rng.integers(0, max_positions + 20))
+            got = rec.fetch(cid, start, end)
+            rows = ref.pop(cid)
+            nxt.pop(cid, None)
+            end = min(end, max_positions)
+            start = min(start, end)
+            arr = np.frombuffer(got["data"], np.uint8).reshape(got["shape"])
+            assert arr.shape == (len(routers), end - start, k)
+            holes = [p for p in range(start, end) if p not in rows]
+            assert got["missing"] == ([holes[0], len(holes)] if holes else None)
+            for p in range(start, end):
+                want = rows.get(p, [[0] * k for _ in routers])
+                assert arr[:, p - start].tolist() == want, (seed, cid, p)
+
+
 def test_recorder_reports_missing_positions_and_honours_start():
     rec = make_recorder()
     step(rec, [("A", 4, 2)], {1: rows_for(0, 2), 3: rows_for(0, 2)})  # positions 0..3 never computed (cached)

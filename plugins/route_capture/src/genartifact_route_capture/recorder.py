@@ -5,9 +5,11 @@ Rows are attributed by *absolute token position*: a step is described by segment
 batch. Each MoE layer's ``topk_ids [num_tokens_in_step, top_k]`` is kept by reference during the forward (no
 copy, no device sync per layer); at step end the layers are stacked token-major and converted to the compact
 dtype in one operation each (one device-to-host copy on a GPU) and each segment is scattered into its request's
-buffer ``[positions, routers, top_k]`` (position-major: a decode step writes one contiguous row per request, the
-work this recorder does per request per step on the engine's critical path; :meth:`RouteRecorder.fetch` hands
-rows over router-major). This relies on the router not writing into ``topk_ids`` after handing them to
+buffer ``[positions, routers, top_k]`` (position-major; :meth:`RouteRecorder.fetch` hands rows over
+router-major). A decode step's row for the position right after a request's last recorded one (nearly every row)
+is appended to the request's byte tail instead — a bytes copy, no numpy call: this is the work the recorder does
+per request per step on the engine's critical path — and the tail goes into the buffer in one copy when anything
+else touches the request (a prefill chunk, a recompute, fetch). This relies on the router not writing into ``topk_ids`` after handing them to
 its capture callback: true in vLLM 0.32, whose EPLB mapping and index-dtype conversion after the callback are
 out of place (``BaseRouter._select_experts``); the route tests compare every row with an independent
 transformers forward, so a router that did would be caught there.
@@ -31,8 +33,25 @@ _TORCH_DTYPES: dict[str, Any] = {}
 class _Req:
     buf: np.ndarray  # [capacity, routers, top_k]
     filled: np.ndarray  # bool [capacity]
-    max_pos: int = 0
+    max_pos: int = 0  # one past the highest recorded position (the tail's included)
     cap: int = 0  # buf.shape[0]
+    #: rows of positions ``tail_start .. max_pos-1`` appended by decode steps, not yet in ``buf`` (see flush)
+    tail: bytearray = field(default_factory=bytearray)
+    tail_start: int = 0
+
+    def flush(self) -> None:
+        """Move the tail's rows into ``buf`` (one copy) and mark them filled: before anything else reads or
+        writes the request's rows. Tail positions lie past every position recorded before them, so none of them is
+        a recompute."""
+        if not self.tail:
+            return
+        end = self.max_pos
+        self.ensure(end)
+        rows = np.frombuffer(self.tail, self.buf.dtype).reshape(end - self.tail_start, *self.buf.shape[1:])
+        self.buf[self.tail_start:end] = rows
+        self.filled[self.tail_start:end] = True
+        del rows
+        self.tail = bytearray()
 
     def ensure(self, n: int) -> None:
         cap = self.cap
@@ -124,25 +143,21 @@ class RouteRecorder:
             for cid, _start, _n, _off in self._segments:
                 self._req(cid)
             return
-        step = self._step_rows(stash)  # [tokens, routers, top_k]
+        step = np.ascontiguousarray(self._step_rows(stash))  # [tokens, routers, top_k]
+        row = step[0].nbytes if len(step) else 0
+        rows = memoryview(step).cast("B")
         reqs, max_positions = self.reqs, self.max_positions
         for cid, start, n, off in self._segments:
             r = reqs.get(cid)
             if r is None:
                 r = self._req(cid)
-            if n == 1:  # a decode step (most rows): one row, scalar bookkeeping
-                if start >= max_positions:
-                    continue
-                if start >= r.cap:
-                    r.ensure(start + 1)
-                filled = r.filled
-                if filled[start]:
-                    self.recomputed_positions += 1
-                filled[start] = True
-                r.buf[start] = step[off]
-                if start >= r.max_pos:
-                    r.max_pos = start + 1
+            if n == 1 and start == r.max_pos and start < max_positions:  # a decode step's next row
+                if not r.tail:
+                    r.tail_start = start
+                r.tail += rows[off * row : (off + 1) * row]
+                r.max_pos = start + 1
                 continue
+            r.flush()
             end = min(start + n, max_positions)
             if end <= start:
                 continue
@@ -169,6 +184,7 @@ class RouteRecorder:
         r = self.reqs.pop(cid, None)
         if r is None:
             return None
+        r.flush()
         end = max(0, min(end, self.max_positions))
         start = min(max(0, start), end)
         r.ensure(end)
@@ -185,4 +201,4 @@ class RouteRecorder:
         return self.reqs.pop(cid, None) is not None
 
     def retained_bytes(self) -> int:
-        return sum(r.buf.nbytes for r in self.reqs.values())
+        return sum(r.buf.nbytes + len(r.tail) for r in self.reqs.values())
