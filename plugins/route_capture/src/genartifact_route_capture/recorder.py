@@ -9,10 +9,10 @@ buffer ``[positions, routers, top_k]`` (position-major; :meth:`RouteRecorder.fet
 router-major). A decode step's row for the position right after a request's last recorded one (nearly every row)
 is appended to the request's byte tail instead — a bytes copy, no numpy call: this is the work the recorder does
 per request per step on the engine's critical path — and the tail goes into the buffer in one copy when anything
-else touches the request (a prefill chunk, a recompute, fetch). This relies on the router not writing into ``topk_ids`` after handing them to
-its capture callback: true in vLLM 0.32, whose EPLB mapping and index-dtype conversion after the callback are
-out of place (``BaseRouter._select_experts``); the route tests compare every row with an independent
-transformers forward, so a router that did would be caught there.
+else touches the request (a prefill chunk, a recompute, fetch). This relies on the router not writing into
+``topk_ids`` after handing them to its capture callback: true in vLLM 0.32, whose EPLB mapping and index-dtype
+conversion after the callback are out of place (``BaseRouter._select_experts``); the route tests compare every
+row with an independent transformers forward, so a router that did would be caught there.
 Chunked prefill, mixed batches and preemption/recompute are all handled by positions (a recomputed
 position simply overwrites the same row). A per-position ``filled`` mask proves completeness at fetch.
 """
@@ -34,7 +34,6 @@ class _Req:
     buf: np.ndarray  # [capacity, routers, top_k]
     filled: np.ndarray  # bool [capacity]
     max_pos: int = 0  # one past the highest recorded position (the tail's included)
-    cap: int = 0  # buf.shape[0]
     #: rows of positions ``tail_start .. max_pos-1`` appended by decode steps, not yet in ``buf`` (see flush)
     tail: bytearray = field(default_factory=bytearray)
     tail_start: int = 0
@@ -50,11 +49,10 @@ class _Req:
         rows = np.frombuffer(self.tail, self.buf.dtype).reshape(end - self.tail_start, *self.buf.shape[1:])
         self.buf[self.tail_start:end] = rows
         self.filled[self.tail_start:end] = True
-        del rows
         self.tail = bytearray()
 
     def ensure(self, n: int) -> None:
-        cap = self.cap
+        cap = self.buf.shape[0]
         if n <= cap:
             return
         new = max(n, 2 * cap, 64)
@@ -62,7 +60,7 @@ class _Req:
         buf[:cap] = self.buf
         filled = np.zeros(new, bool)
         filled[:cap] = self.filled
-        self.buf, self.filled, self.cap = buf, filled, new
+        self.buf, self.filled = buf, filled
 
 
 @dataclass
@@ -161,8 +159,7 @@ class RouteRecorder:
             end = min(start + n, max_positions)
             if end <= start:
                 continue
-            if end > r.cap:
-                r.ensure(end)
+            r.ensure(end)
             filled = r.filled
             self.recomputed_positions += int(np.count_nonzero(filled[start:end]))
             filled[start:end] = True
