@@ -69,6 +69,10 @@ async def test_worker_retains_nothing_after_requests(engine, tmp_path):
     await engine.run(ids, {"max_tokens": 3}, spec(), settings(tmp_path))
     stats = await engine.worker_call("moe_routes.stats")
     assert stats[0]["requests"] == 0 and stats[0]["retained_bytes"] == 0
+    lp = await engine.worker_call("selected_logprobs.stats")
+    # nothing left, and the sampled rows came from vLLM's own per-step arrays (a vLLM that renames them would
+    # silently fall back to the slower per-request rule)
+    assert lp[0]["requests"] == 0 and lp[0]["runner_arrays"] is True
 
 
 async def test_plain_requests_are_not_captured(engine, tmp_path):

@@ -122,6 +122,48 @@ def test_selected_values_read_the_sampled_tokens_logprobs(sampled_dtype):
         selected_values(flagged_log_softmax(logits, None, True), bad, None, True)
 
 
+def test_sample_rows_from_the_runner_arrays_equal_the_per_request_rule():
+    """The flagged rows holding a real sample, read from vLLM 0.32's per-step runner arrays
+    (``optimistic_seq_lens_cpu``, ``discard_request_mask``), are the rows the per-request rule gives (computed +
+    scheduled tokens reach the request's token count), over random batches of decode rows, partial and final
+    prefill chunks and unflagged requests; a runner without those arrays uses the rule."""
+    import types
+
+    import torch
+    from genartifact_logprobs.worker import LogprobCapture
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        n = int(rng.integers(1, 12))
+        rids = [f"r{trial}.{i}" for i in range(n)]
+        computed = rng.integers(0, 300, n).astype(np.int32)
+        sched = rng.integers(1, 70, n)
+        # a request's token count: the step's end (decode, last prefill chunk) or beyond it (partial prefill)
+        num_tokens = computed + sched + np.where(rng.random(n) < 0.3, rng.integers(1, 50, n), 0)
+        ends = torch.zeros(16, dtype=torch.int32)
+        ends[:n] = torch.from_numpy(computed + sched.astype(np.int32))
+        mask = np.zeros(16, bool)
+        mask[:n] = ends[:n].numpy() < num_tokens  # as GPUModelRunner._prepare_inputs sets it
+        mr = types.SimpleNamespace(
+            sampler=types.SimpleNamespace(forward=lambda *a, **k: None),
+            input_batch=types.SimpleNamespace(num_reqs=n, req_ids=list(rids), num_computed_tokens_cpu=computed),
+            requests={r: types.SimpleNamespace(num_tokens=int(t)) for r, t in zip(rids, num_tokens, strict=True)},
+            optimistic_seq_lens_cpu=ends, discard_request_mask=types.SimpleNamespace(np=mask))
+        cap = LogprobCapture(types.SimpleNamespace(model_runner=mr))
+        assert cap._runner_arrays
+        flagged = {r: f"c{r}" for r in rids if rng.random() < 0.7}
+        cap.step = types.SimpleNamespace(
+            scheduler_output=types.SimpleNamespace(num_scheduled_tokens=dict(zip(rids, sched.tolist(), strict=True))),
+            flagged={"selected_logprobs": flagged})
+        n_rows = n if trial % 5 else max(1, n - 2)  # fewer logits rows than requests: only those rows
+        fast = cap._rows(n_rows)
+        cap._runner_arrays = False
+        assert fast == cap._rows(n_rows), trial
+        assert all(type(e) is int for _, _, e in fast)
+    del mr.optimistic_seq_lens_cpu
+    assert not LogprobCapture(types.SimpleNamespace(model_runner=mr))._runner_arrays
+
+
 def worker_sourced(answer):
     """A worker-sourced producer (the engine runs the worker capture, raw_logprobs) whose fetch gets ``answer``."""
     import asyncio

@@ -42,21 +42,29 @@ def selected_values(lp: Any, sampled_token_ids: Any, idx: Any, all_rows: bool) -
     flagged rows' log-softmax), ``sampled_token_ids`` int ``[batch, >= 1]`` (the sampler's output: column 0 is the
     sampled token), ``idx`` / ``all_rows`` as for :func:`flagged_log_softmax`. Host tensors are read through numpy
     views (no torch op: on vLLM-CPU each small torch op costs the worker's critical path several microseconds,
-    ``docs/benchmarks.md``, issue 13, tenth pass); device tensors gather on the device and copy the ``n`` values.
-    The values are the same either way: an index, no arithmetic. Raises IndexError (numpy) or RuntimeError
-    (torch) for a token id outside ``0 .. vocab-1``."""
+    ``docs/benchmarks.md``, issue 13, tenth and eleventh passes); device tensors gather on the device and copy the
+    ``n`` values. The values are the same either way: an index, no arithmetic. Raises IndexError (numpy) or
+    RuntimeError (torch) for a token id outside ``0 .. vocab-1``."""
     import numpy as np
 
-    if lp.device.type == "cpu" and sampled_token_ids.device.type == "cpu":
+    if lp.is_cpu and sampled_token_ids.is_cpu:
         s = sampled_token_ids.numpy()
         tok = s[:, 0] if all_rows else s[idx.numpy(), 0]
-        if tok.size and tok.min() < 0:  # numpy would read the row from its end; torch's gather raises
-            raise IndexError(f"sampled token id {int(tok.min())} out of range for the logprobs' vocabulary")
-        vals = lp.numpy()[np.arange(tok.shape[0]), tok]
-        return tok.tolist(), vals.tolist()
+        toks = tok.tolist()
+        if toks and min(toks) < 0:  # numpy would read the row from its end; torch's gather raises
+            raise IndexError(f"sampled token id {min(toks)} out of range for the logprobs' vocabulary")
+        n = len(toks)
+        rows = _ARANGE.get(n)
+        if rows is None:
+            rows = _ARANGE[n] = np.arange(n)
+        return toks, lp.numpy()[rows, tok].tolist()
     sampled = sampled_token_ids if all_rows else sampled_token_ids.index_select(0, idx)
     t = sampled[:, 0].long()
     return t.tolist(), lp.gather(1, t[:, None])[:, 0].tolist()
+
+
+#: ``np.arange(n)`` by ``n`` (row indices of a step's flagged rows; read-only use); at most a batch's sizes
+_ARANGE: dict[int, Any] = {}
 
 
 class LogprobCapture(WorkerCapture):
@@ -72,6 +80,10 @@ class LogprobCapture(WorkerCapture):
         self.worker = worker
         self.step: WorkerStep | None = None
         self.store: dict[str, dict[int, tuple[int, float]]] = {}
+        #: the runner keeps vLLM 0.32's per-step sample arrays (see :meth:`_rows`), else the per-request rule
+        self._runner_arrays = _runner_arrays(mr)
+        self._seq_tensor: Any = None  # the runner's optimistic_seq_lens_cpu last seen, and its numpy view
+        self._seq_np: Any = None
         sampler = mr.sampler
         orig_forward = sampler.forward
 
@@ -106,15 +118,29 @@ class LogprobCapture(WorkerCapture):
         self.step = None
 
     def _rows(self, n_rows: int) -> list[tuple[int, str, int]]:
+        """The step's flagged rows that hold a real sample, ascending: ``(batch row, capture id, position)``, the
+        position being the request's token count after this step (computed + scheduled tokens). A chunked-prefill
+        pass whose sample vLLM discards is left out. Read from the runner's own per-step arrays where it has them
+        (vLLM 0.32 ``GPUModelRunner._prepare_inputs``: ``optimistic_seq_lens_cpu`` and ``discard_request_mask``,
+        this step's, set before the forward), else computed per request from the input batch and the scheduler
+        output, the same rule (real iff computed + scheduled tokens reach the request's token count)."""
         step = self.step
         assert step is not None
-        so, flagged = step.scheduler_output, step.flagged.get(NAME, {})
+        flagged = step.flagged.get(NAME, {})
         mr = self.worker.model_runner
         ib = mr.input_batch
-        rows = []
         k = min(ib.num_reqs, n_rows)
+        if self._runner_arrays:
+            seq = mr.optimistic_seq_lens_cpu
+            if seq is not self._seq_tensor:  # a numpy view of the runner's buffer: no torch op per step
+                self._seq_tensor, self._seq_np = seq, seq.numpy()
+            ends = self._seq_np[:k].tolist()
+            dropped = mr.discard_request_mask.np[:k].tolist()
+            return [(i, cid, ends[i]) for i, rid in enumerate(ib.req_ids[:k])
+                    if (cid := flagged.get(rid)) is not None and not dropped[i]]
+        rows = []
         computed = ib.num_computed_tokens_cpu[:k].tolist()  # one conversion, not a numpy scalar per row
-        sched, reqs = so.num_scheduled_tokens, mr.requests
+        sched, reqs = step.scheduler_output.num_scheduled_tokens, mr.requests
         for i, rid in enumerate(ib.req_ids[:k]):
             cid = flagged.get(rid)
             if cid is None:
@@ -140,4 +166,12 @@ class LogprobCapture(WorkerCapture):
         return self.store.pop(capture_id, None) is not None
 
     def stats(self) -> dict[str, Any]:
-        return {"requests": len(self.store)}
+        return {"requests": len(self.store), "runner_arrays": self._runner_arrays}
+
+
+def _runner_arrays(mr: Any) -> bool:
+    """``mr`` (a model runner) has vLLM 0.32's per-step ``optimistic_seq_lens_cpu`` (a host tensor) and
+    ``discard_request_mask`` (a ``CpuGpuBuffer``: ``.np``) as :meth:`LogprobCapture._rows` reads them."""
+    seq, mask = getattr(mr, "optimistic_seq_lens_cpu", None), getattr(mr, "discard_request_mask", None)
+    return hasattr(seq, "tolist") and hasattr(seq, "is_cpu") and bool(seq.is_cpu) and \
+        hasattr(getattr(mask, "np", None), "tolist")
