@@ -746,3 +746,38 @@ def test_engine_adapter_records_the_completion_once_when_no_content_consumes_del
     fed = make_host(contents={"echo": _plugin(lambda name: Echo(name))})
     receipt, calls = _adapter_run(fed, ["echo"], [1, 2, 3], [[4], [5], [6, 7]], max_tokens=4)
     assert receipt["state"] == "ready" and calls == [[4], [5], [6, 7]]
+
+
+@pytest.mark.fault("plugin", "a content reader's validate raises something other than ArtifactFormatError")
+def test_a_reader_that_crashes_is_a_plugin_fault_at_encode_and_a_named_format_error_at_decode():
+    """A reader whose ``validate`` raises (a bug, not a rejection): encode fails the request as ``internal_error``
+    (a plugin fault, logged as ``plugin_fault`` with plugin and distribution), not ``encode_failed``; decode of a
+    good object through that reader raises ``ArtifactFormatError`` naming the content, the plugin and the redacted
+    error, chained to the plugin's exception (so ``--traceback`` shows where it raised)."""
+    from genartifact.errors import ArtifactFormatError
+
+    class Crashing(EchoReader):
+        def validate(self, manifest, section, tensors):
+            raise KeyError("exploded token=abc123")
+
+    class Plugin:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return Echo(name) if name == "echo" else None
+
+        @hookimpl
+        def genartifact_content_reader(self, name):
+            return Crashing() if name == "echo" else None
+
+    with structlog.testing.capture_logs() as logs:
+        res = run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3, 4])
+    assert res.receipt["state"] == "failed" and res.receipt["error_code"] == "internal_error"
+    faults = [e for e in logs if e["event"] == "plugin_fault"]
+    assert faults and faults[0]["method"] == "validate" and faults[0]["error_type"] == "KeyError"
+    good = run_session(make_host(contents={"echo": echo_plugin()}), ["echo"], [1, 2], [3, 4])
+    assert good.receipt["state"] == "ready"
+    broken = make_host(contents={"echo": Plugin()}).reader("echo")
+    with pytest.raises(ArtifactFormatError, match=r"content 'echo' reader failed: .*echo.*KeyError.*exploded") as ei:
+        fmt.decode(good.data, readers={"echo": broken})
+    assert "abc123" not in str(ei.value)
+    assert isinstance(ei.value.__cause__, PluginFault) and isinstance(ei.value.__cause__.__cause__, KeyError)

@@ -232,7 +232,8 @@ def encode(inp: ArtifactInput, *, level: int = ZSTD_LEVEL, readers: Mapping[str,
         pos = o + ref["byte_count"]
     if pos != total:  # pragma: no cover - build_manifest lays tensors out back to back
         raise ArtifactFormatError(f"tensor layout covers {pos} of {total} body bytes")
-    data, digest = _compress_and_hash(pieces, total, level, lambda: _validate_contents(manifest, views, readers))
+    data, digest = _compress_and_hash(pieces, total, level,
+                                      lambda: _validate_contents(manifest, views, readers, plugin_faults=True))
     return EncodedArtifact(data=data, byte_count=len(data), sha256=digest, decoded_bytes=total)
 
 
@@ -832,13 +833,19 @@ def _views(manifest: dict[str, Any], body: memoryview, payload_start: int) -> di
 
 
 def _validate_contents(manifest: dict[str, Any], views: dict[str, np.ndarray],
-                       readers: Mapping[str, Any] | None = None, *, require_readers: bool = True) -> None:
+                       readers: Mapping[str, Any] | None = None, *, require_readers: bool = True,
+                       plugin_faults: bool = False) -> None:
     """Per-content semantic checks shared by encoder and reader, delegated to each content's reader (the
     content plugin's ``genartifact_content_reader`` hook, see :mod:`genartifact.readers`).
 
-    Raises :class:`ArtifactFormatError` if a content's reader rejects its section/tensors, if a reader itself
-    fails (named with its exception type), or, with ``require_readers``, if no reader is installed for a
-    content (name and fix given)."""
+    Raises :class:`ArtifactFormatError` if a content's reader rejects its section/tensors, or, with
+    ``require_readers``, if no reader is installed for a content (name and fix given). A reader that itself fails
+    (raises anything but ``ArtifactFormatError``) is a plugin fault: with ``plugin_faults`` (encode) the
+    :class:`~genartifact.errors.PluginFault` naming its plugin propagates (the request's receipt is
+    ``internal_error``, not ``encode_failed``); otherwise (decode, which raises only format errors) it becomes an
+    ``ArtifactFormatError`` that names the content, the plugin and the redacted error, chained to the plugin's
+    exception (``genartifact --traceback`` shows where it raised)."""
+    from genartifact.errors import PluginFault
     from genartifact.readers import reader_for
 
     for name in manifest["contents"]:
@@ -850,15 +857,21 @@ def _validate_contents(manifest: dict[str, Any], views: dict[str, np.ndarray],
             if require_readers:
                 raise _fail(f"no reader installed for content {name!r}: install the distribution that provides "
                             f"it (entry-point group genartifact.contents), or decode with require_readers=False "
-                            f"to check the envelope only")
+                            f"(Python API) to check the envelope only")
             continue
         own = {k: v for k, v in views.items() if k.split(".", 1)[0] == name}
         try:
             reader.validate(manifest, section, own)
         except ArtifactFormatError:
             raise
-        except Exception as e:  # noqa: BLE001 - decode raises only format errors
-            raise _fail(f"content {name!r} reader failed: {type(e).__name__}") from None
+        except PluginFault as e:  # a guarded reader: the fault names its plugin (and was logged as plugin_fault)
+            if plugin_faults:
+                raise
+            raise _fail(f"content {name!r} reader failed: {e}") from e
+        except Exception as e:  # noqa: BLE001 - an unguarded reader (registered in-process): still a format error
+            from genartifact.host import redact
+
+            raise _fail(f"content {name!r} reader failed: {type(e).__name__}: {redact(str(e))}") from e
 
 
 def _dtype_of(manifest: dict[str, Any], name: str) -> str | None:

@@ -421,8 +421,9 @@ class GuardedTarget:
 class GuardedReader:
     """A content reader as callers see it: ``summary``, ``summary_text`` and ``view`` isolated like every other
     plugin call (an exception or a wrong return value becomes a :class:`PluginFault` naming the plugin);
-    ``validate`` is passed through unchanged (:func:`genartifact.format` already turns any non-format exception
-    of a reader into an ``ArtifactFormatError`` naming the content).
+    ``validate`` lets ``ArtifactFormatError`` (the content is invalid) through and turns any other exception into a
+    :class:`PluginFault` (the reader is broken): at encode that request's receipt is ``internal_error``; at decode
+    :mod:`genartifact.format` reports it as a format error naming the content and the plugin.
 
     ``summary(manifest, section, tensors)`` -> JSON-compatible dict (absent: ``{"tensors": [names]}``);
     ``summary_text(summary)`` -> one line of text (absent: the summary as sorted JSON);
@@ -435,7 +436,10 @@ class GuardedReader:
         return f"GuardedReader({self.name!r}, {self.info.label() if self.info else '?'})"
 
     def validate(self, manifest: Mapping[str, Any], section: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:
-        self.inner.validate(manifest, section, tensors)
+        from genartifact.errors import ArtifactFormatError
+
+        call_plugin(self.info, "validate", self.inner.validate, manifest, section, tensors,
+                    expected=(ArtifactFormatError,))
 
     def summary(self, manifest: Mapping[str, Any], section: Mapping[str, Any],
                 tensors: Mapping[str, Any]) -> dict[str, Any]:
