@@ -80,6 +80,33 @@ async def test_rows_come_out_of_band_without_rpc_and_match_the_rpc_path(engine, 
 
 
 @async_engine
+@pytest.mark.fault("worker", "the engine's handover folder removed under it mid-run")
+async def test_a_handover_folder_removed_under_the_engine_is_replaced(engine, tmp_path, monkeypatch):
+    """Someone removes the handover folder while the engine runs: requests finishing then are fetched by RPC at
+    once (no wait for files that cannot come), the engine makes a new folder and tells its workers, and later
+    requests are handed over out of band again (no fetch RPC)."""
+    import shutil
+
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)  # a wait for a lost folder's files would outlast the test
+    old = engine.handover
+    ids = engine.tokenizer(TEXTS[0])["input_ids"]
+    shutil.rmtree(old.dir)
+    res = await asyncio.wait_for(asyncio.gather(*(engine.run(ids, {"max_tokens": 4}, spec(CONTENTS), settings(tmp_path))
+                                                  for _ in range(3))), 40)
+    assert [r.receipt["state"] for r in res] == ["ready"] * 3
+    new = engine.handover
+    assert new is not None and new is not old and old.lost and os.path.isdir(new.dir)
+    assert new.contents >= set(CONTENTS)
+    seen = rpc_methods(engine, monkeypatch)
+    taken = new.taken
+    r = await asyncio.wait_for(engine.run(ids, {"max_tokens": 4}, spec(CONTENTS), settings(tmp_path)), 40)
+    assert r.receipt["state"] == "ready" and not [m for m in seen if m.endswith(".fetch")], seen
+    assert new.taken - taken == len(CONTENTS)
+
+
+@async_engine
 async def test_cancelled_requests_leave_no_handover_files(engine, tmp_path):
     ho = engine.handover
     ids = engine.tokenizer(TEXTS[2])["input_ids"]

@@ -809,3 +809,83 @@ async def test_close_survives_a_broken_watch_and_still_ends_the_waits(tmp_path):
     ho.close()
     assert await asyncio.wait_for(take, 1.0) is None
     assert ho._lock_fd is None and not Path(ho.dir).exists()
+
+
+@pytest.mark.fault("worker", "capture ids a session never made: malformed, reused while live, reused after fetch")
+def test_capture_ids_no_session_made_are_not_captured_and_leave_nothing():
+    """A request whose capture id cannot be one (not 1-128 of [A-Za-z0-9_-]), is live for another request, or was
+    already fetched runs uncaptured: no step hook sees it, no rows are kept for it (they could never be handed
+    over or would mix with another request's). A request that comes back as new under the same id (preempted and
+    rescheduled) stays captured."""
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host())
+    cap, mr = rt.captures["fake"], w.model_runner
+    mr.execute_model(step([new("a", "a/b/../c"), new("b", "x" * 300), new("c", "ok-1"), new("d", "ok-1")],
+                          sched={"a": 2, "b": 2, "c": 3, "d": 4}))
+    mr.sample_tokens(None)
+    assert cap.events[0][2] == {"c": "ok-1"} and rt.call("fake.stats", [])["live_flagged"] == 1
+    mr.execute_model(step([new("c", "ok-1")], sched={"c": 1}))  # c again as new (preempted, rescheduled)
+    mr.sample_tokens(None)
+    assert cap.events[-2][2] == {"c": "ok-1"}
+    mr.execute_model(step(finished=["a", "b", "c", "d"]))
+    assert rt.call("fake.fetch", ["ok-1"])["found"] == [3, 1]
+    mr.execute_model(step([new("e", "ok-1")], sched={"e": 5}))  # fetched already: its rows could not be handed over
+    mr.sample_tokens(None)
+    assert len(cap.events) == 4 and cap.rows == {} and rt.call("fake.stats", [])["live_flagged"] == 0
+
+
+@pytest.mark.fault("worker", "handover folder removed while fetches wait for their files")
+async def test_a_handover_folder_removed_under_the_engine_is_replaced_and_costs_no_wait(tmp_path, monkeypatch):
+    """The handover folder is removed while fetches wait for their files: the waits end at once (RPC fetch, the
+    rows the worker could not write), not at their deadline; the engine is asked once to replace the folder; later
+    fetches take no wait either until it does."""
+    import asyncio
+    import shutil
+
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host())
+    eng = HandoverEngine(rt, ho)
+    renewals = []
+
+    async def renew_handover():
+        renewals.append(ho.dir)
+
+    eng.renew_handover = renew_handover
+    run_request(w.model_runner, "r1", "c1")
+    waiting = asyncio.ensure_future(wx.fetch_capture(eng, "fake", "c1"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # waiting for the file the worker writes when it learns r1 finished
+    shutil.rmtree(ho.dir)
+    w.model_runner.execute_model(step(finished=["r1"]))  # the write fails: kept for RPC
+    assert (await asyncio.wait_for(waiting, 5))["rows"] == [5, 1, 1]
+    assert ho.lost and eng.rpcs == ["fake.fetch"] and renewals == [ho.dir]
+    run_request(w.model_runner, "r2", "c2")
+    w.model_runner.execute_model(step(finished=["r2"]))
+    assert (await asyncio.wait_for(wx.fetch_capture(eng, "fake", "c2"), 5))["rows"] == [5, 1, 1]
+    assert len(renewals) == 1  # asked once per lost folder
+    ho.close()
+
+
+@pytest.mark.fault("worker", "a symlink planted at the worker's handover temp file")
+def test_a_link_at_the_workers_temp_name_is_never_followed_and_the_rows_go_by_rpc(tmp_path):
+    """Someone puts a symlink where the worker writes its next step file's temp name: the worker neither writes
+    through it (the link's target is untouched) nor loses the rows (kept for the RPC fetch)."""
+    from genartifact.engine.worker_ext import Handover
+
+    (tmp_path / "h").mkdir()
+    ho = Handover(str(tmp_path / "h"))
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host())
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, os.path.join(ho.dir, f"step.{os.getpid()}.1.tmp"))
+    run_request(w.model_runner, "r1", "c1")
+    w.model_runner.execute_model(step(finished=["r1"]))
+    assert victim.read_text() == "precious"
+    assert list(rt.unwritten["fake"]) == ["c1"] and rt.call("fake.fetch", ["c1"])["found"]["rows"] == [5, 1, 1]
+    ho.close()

@@ -68,6 +68,22 @@ def admitted(dtype="f32", p=5, max_tokens=4, start=0, model=MODEL):
     return pr, n
 
 
+@pytest.mark.parametrize("start", [0, 3])
+@pytest.mark.fault("admission", "caller's extra_args carry genartifact_routes_start")
+def test_a_callers_routes_start_in_extra_args_never_shifts_the_handed_over_rows(start):
+    """A caller's ``extra_args["genartifact_routes_start"]`` (Python API, an RL framework's own extra_args) is
+    replaced by the request's admitted start, or removed when that is 0: the worker hands rows over from the
+    artifact's start, never the caller's (the artifact once failed ``capture_invalid`` with a shape mismatch)."""
+    from genartifact_route_capture import MoeRoutes
+
+    for pr in (MoeRoutes(MODEL), MoeRouteWeights(MODEL, "f32")):
+        pr.admit(AdmissionContext(5, 4, start, MODEL, {}))
+        params = {"extra_args": {"genartifact_routes_start": 2, "mine": 1}}
+        pr.sampling_overrides(params)
+        extra = params["extra_args"]
+        assert extra.get("genartifact_routes_start", 0) == start and extra["mine"] == 1, type(pr).__name__
+
+
 def test_admission_counts_worst_case_bytes():
     _, f32 = admitted("f32", p=5, max_tokens=4)
     _, bf16 = admitted("bf16", p=5, max_tokens=4)

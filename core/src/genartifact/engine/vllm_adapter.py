@@ -246,6 +246,28 @@ class VllmEngine:
         self._use_handover([dict(a) for a in answers if a.get("capturing")])
         return sorted(self.handover.contents) if self.handover else []
 
+    async def renew_handover(self) -> list[str]:
+        """Replace a handover folder that was lost under the running engine (:attr:`Handover.lost`: removed or
+        replaced by someone else): a new folder, told to the workers (one RPC), the old one closed. Rows of requests
+        finished meanwhile were kept by their workers for the RPC fetch (:attr:`WorkerRuntime.unwritten`), so
+        nothing is lost either way; without a new folder (``/dev/shm`` full) fetches stay on RPC. Returns the
+        contents now handed over out of band."""
+        old = self.handover
+        if self.llm is None or old is None or not old.lost:
+            return sorted(old.contents) if old is not None else []
+        try:
+            new: Handover | None = Handover()
+        except OSError as e:
+            log.warning("capture_handover_renew_failed", error=f"{type(e).__name__}: {e}",
+                        detail="worker rows are fetched by collective_rpc from now on")
+            new = None
+        self.handover = new
+        answers = await self._rpc(("handover", new.config() if new else None))
+        old.close()
+        self._use_handover([dict(a) for a in answers if a.get("capturing")])
+        log.info("capture_handover_renewed", dir=new.dir if new else None)
+        return sorted(self.handover.contents) if self.handover else []
+
     async def _rpc(self, args: tuple[Any, ...]) -> list[Any]:
         """``collective_rpc("genartifact_call", args)`` on the workers of *every* engine, answers flattened in
         engine then worker order. vLLM's data-parallel client answers ``collective_rpc`` with engine 0's

@@ -51,6 +51,9 @@ from genartifact.errors import CaptureError
 QUALNAME = "genartifact.engine.worker_ext.GenartifactWorkerExtension"
 RPC = "genartifact_call"
 TOMBSTONES = 4096  # capture ids remembered after fetch/discard, per content, to name a second fetch's cause
+#: handed-over answers a driver keeps untaken at most (all contents): far above the requests one engine has in flight
+#: (each session takes or drops its answer when its request ends); only answers nobody asks for pile up to it
+READY_MAX = 65536
 
 log = structlog.get_logger("genartifact.worker")
 
@@ -158,6 +161,7 @@ class WorkerRuntime:
         self.failed: dict[str, dict[str, str]] = {}  # content -> capture id -> error of a failed step hook
         self.gone: dict[str, collections.OrderedDict[str, str]] = {}  # content -> capture id -> how it went
         self.flagged: dict[str, dict[str, str]] = {}
+        self._live: dict[str, set[str]] = {}  # content -> the capture ids in flagged (one request each)
         self._keys: list[tuple[str, str]] = []
         self._step: WorkerStep | None = None
         self._steps = 0
@@ -180,6 +184,7 @@ class WorkerRuntime:
                     raise ValueError(f"two worker captures for content {cap.name!r}")
                 self.captures[cap.name] = cap
                 self.flagged[cap.name], self.failed[cap.name], self.unwritten[cap.name] = {}, {}, {}
+                self._live[cap.name] = set()
                 self.gone[cap.name] = collections.OrderedDict()
                 self._keys.append((cap.capture_key, cap.name))
             if self.captures:
@@ -226,7 +231,12 @@ class WorkerRuntime:
                 for key, name in keys:
                     cid = extra.get(key)
                     if cid is not None:
-                        self.flagged[name][r.req_id] = str(cid)
+                        cid = str(cid)
+                        fl = self.flagged[name]
+                        if fl.get(r.req_id) != cid and not self._may_flag(name, cid):
+                            continue
+                        fl[r.req_id] = cid
+                        self._live[name].add(cid)
                         if self.handover_dir is not None:
                             self._extra[r.req_id] = extra
         fin = getattr(so, "finished_req_ids", None)
@@ -236,6 +246,8 @@ class WorkerRuntime:
             if fin and fl:
                 for rid in fin:
                     cid = fl.pop(rid, None)
+                    if cid is not None:
+                        self._live[name].discard(cid)
                     if cid is not None and self.handover_dir is not None and name in self.handover_contents:
                         env = self._handover_answer(name, cid, self._extra.get(rid) or {})
                         if env is not None:
@@ -247,6 +259,24 @@ class WorkerRuntime:
             for rid in fin:
                 self._extra.pop(rid, None)
         return any_live
+
+    def _may_flag(self, name: str, cid: str) -> bool:
+        """Whether a new request may be captured under ``cid`` for content ``name``. Not when ``cid`` cannot be a
+        capture id (:data:`_SAFE`: 1-128 of ``[A-Za-z0-9_-]``, e.g. ``uuid4().hex``), is live for another request
+        (two requests' rows would mix), or was fetched, discarded or handed over already (its rows could never be
+        handed over): such a request — a caller's own ``extra_args``, never a genartifact session's random id — runs
+        uncaptured (its fetch, if any, finds no rows) instead of leaving rows nobody takes. Logged, without the id."""
+        if not _SAFE.fullmatch(cid):
+            why = "not 1-128 characters of [A-Za-z0-9_-]"
+        elif cid in self._live[name]:
+            why = "live for another request"
+        elif cid in self.gone[name]:
+            why = f"already {self.gone[name][cid].replace('_', ' ')}"
+        else:
+            return True
+        log.warning("worker_capture_id_refused", content=name, reason=why, id_chars=len(cid),
+                    detail="the request runs without capture", **self.where)
+        return False
 
     def _handover_answer(self, name: str, cid: str, extra: Mapping[str, Any]) -> dict[str, Any] | None:
         """A finished request's fetch answer of content ``name`` for the step's handover file (its rows taken from
@@ -281,7 +311,9 @@ class WorkerRuntime:
             import msgspec
 
             data = msgspec.msgpack.encode({f"{name}.{cid}": env for name, cid, env in handed})
-            with open(path + ".tmp", "wb") as f:
+            # a new file of ours only: never through a link, never over an entry someone else put there
+            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(path + ".tmp", path)
         except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
@@ -598,14 +630,21 @@ class Handover:
                 raise OSError(f"could not lock the handover folder {staging}")
             self.dir = os.path.join(root, f"genartifact-{os.getpid()}-{secrets.token_hex(6)}")
             os.rename(staging, self.dir)
+            st = os.stat(self.dir)
         except BaseException:
             _rmtree(staging)
             raise
+        self._ident = (st.st_dev, st.st_ino)  # the folder itself: a removed or replaced one is lost
+        #: the folder was found removed or replaced under the running engine (sticky): takes no longer wait for
+        #: files that cannot come; the engine replaces the handover (``VllmEngine.renew_handover``)
+        self.lost = False
+        self.renewing = False  # a replacement is under way (one per lost folder)
         #: contents whose rows every capturing worker hands over (set by the engine from the init answers)
         self.contents: set[str] = set()
         self.taken = 0
         #: "<content>.<capture id>" -> answer, read from a step file and not yet taken
         self._ready: dict[str, Mapping[str, Any]] = {}
+        self.evicted = 0  # answers forgotten untaken because more than READY_MAX were waiting (see _take_file)
         #: keys dropped before their answer was read (discarded when it comes), oldest first, bounded
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: why the latest unreadable step files could not be read (named by a fetch that finds no answer)
@@ -627,6 +666,24 @@ class Handover:
     def config(self) -> dict[str, str]:
         """The ``handover`` entry of the worker ``init`` payload."""
         return {"dir": self.dir, "token": self.token}
+
+    def check_folder(self) -> bool:
+        """True while the folder is still the one this handover made; once it is removed or replaced (by
+        someone else: nothing here removes it before :meth:`close`), :attr:`lost` is set for good and a warning is
+        logged. One ``stat``."""
+        if self.lost or self._closed:
+            return not self.lost
+        try:
+            st = os.stat(self.dir)
+            ok = (st.st_dev, st.st_ino) == self._ident
+        except OSError:
+            ok = False
+        if not ok:
+            self.lost = True
+            log.warning("capture_handover_lost", dir=self.dir,
+                        detail="the handover folder was removed or replaced under the running engine; worker rows "
+                               "go by RPC until the engine replaces it")
+        return ok
 
     @staticmethod
     def key(content: str, capture_id: str) -> str | None:
@@ -693,6 +750,9 @@ class Handover:
             if not isinstance(env, dict) or not ("found" in env or "absent" in env):
                 env = {"absent": "failed", "error": f"handover file {n}: the entry of {k} is not a worker's answer"}
             self._ready[k] = env
+            if len(self._ready) > READY_MAX:  # answers nobody takes (not a session's): the oldest go
+                self._ready.pop(next(iter(self._ready)))
+                self.evicted += 1
 
     def read(self, content: str, capture_id: str) -> Mapping[str, Any] | None:
         """The worker's fetch answer for ``capture_id`` (forgotten once returned), or None if not (yet) written."""
@@ -725,8 +785,8 @@ class Handover:
             raise ValueError(f"wait_s must be a number of seconds; got {wait_s!r}")
         env = self.read(content, capture_id)
         k = self.key(content, capture_id)
-        if env is not None or k is None or wait_s <= 0 or self._closed:
-            return env
+        if env is not None or k is None or wait_s <= 0 or self._closed or not self.check_folder():
+            return env  # (a lost folder: no file can come, the fetch goes by RPC at once)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         deadline = loop.call_later(wait_s, _no_answer, fut)
@@ -785,6 +845,17 @@ class Handover:
                 await asyncio.sleep(pause)
             self._scan()  # never raises
             self.scans += 1
+            if not self.check_folder():  # removed under the engine: no file can come, the takes go by RPC now
+                for k, waiters in list(self._waiting.items()):
+                    for f in waiters:
+                        if f.get_loop() is loop:
+                            _no_answer(f)
+                    rest = [f for f in waiters if f.get_loop() is not loop]
+                    if rest:
+                        self._waiting[k] = rest
+                    else:
+                        del self._waiting[k]
+                return
             for k in list(self._waiting):
                 waiters = [f for f in self._waiting[k] if not f.done()]
                 for f in [f for f in waiters if f.get_loop() is loop]:
@@ -995,6 +1066,8 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
     env = None
     if isinstance(ho, Handover) and content in ho.contents:
         env = await ho.take(content, capture_id)
+        if env is None and ho.lost and not ho.renewing:
+            await _renew_handover(engine, ho)
     if env is not None:
         answers: list[Any] = [env]
     else:
@@ -1035,6 +1108,20 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
     raise CaptureError(f"{content}: none of the {len(absent)} capturing workers (data-parallel ranks {dp_seen}) "
                        f"saw capture {capture_id}: the request never reached a worker with its capture id "
                        f"(SamplingParams.extra_args) or was aborted before its first step")
+
+
+async def _renew_handover(engine: Any, ho: Handover) -> None:
+    """The engine's handover folder ``ho`` was lost (removed under the running engine): have the engine replace it
+    (``engine.renew_handover()``, one RPC to the workers), once per lost folder; where the engine cannot, or the
+    replacement fails, fetches stay on RPC (logged). Never raises but for cancellation."""
+    ho.renewing = True
+    renew = getattr(engine, "renew_handover", None)
+    if renew is None:
+        return
+    try:
+        await renew()
+    except Exception as e:  # noqa: BLE001 - rows still go by RPC; only the out-of-band path is lost
+        log.warning("capture_handover_renew_failed", error=f"{type(e).__name__}: {_exc_text(e)}")
 
 
 async def discard_capture(engine: Any, content: str, capture_id: str) -> None:

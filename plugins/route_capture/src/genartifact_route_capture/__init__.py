@@ -90,6 +90,8 @@ class MoeRoutes:
         extra[CAPTURE_KEY] = self.capture_id
         if self.start:  # the worker hands rows over from here (out-of-band handover)
             extra["genartifact_routes_start"] = self.start
+        else:  # a caller's own value must not shift this request's handed-over rows
+            extra.pop("genartifact_routes_start", None)
         params["extra_args"] = extra
 
     # capture --------------------------------------------------------------------------------------
