@@ -889,3 +889,21 @@ def test_a_link_at_the_workers_temp_name_is_never_followed_and_the_rows_go_by_rp
     assert victim.read_text() == "precious"
     assert list(rt.unwritten["fake"]) == ["c1"] and rt.call("fake.fetch", ["c1"])["found"]["rows"] == [5, 1, 1]
     ho.close()
+
+
+@pytest.mark.fault("worker", "discard on an engine that died")
+async def test_discard_on_a_dead_engine_is_logged_not_blamed_on_the_plugin():
+    """An engine that died cannot be asked to drop rows (it holds none any more): ``discard_capture`` logs that
+    and returns, so the content's guarded ``discard`` is not reported as a plugin fault for vLLM's death."""
+    import structlog
+    from genartifact.engine.worker_ext import discard_capture
+
+    class Dead:
+        handover = None
+
+        async def worker_call(self, method, *args):
+            raise RuntimeError("EngineDeadError: engine core died")
+
+    with structlog.testing.capture_logs() as logs:
+        await discard_capture(Dead(), "fake", "c1")
+    assert [e["event"] for e in logs] == ["capture_discard_unreachable"]

@@ -1126,9 +1126,14 @@ async def _renew_handover(engine: Any, ho: Handover) -> None:
 
 async def discard_capture(engine: Any, content: str, capture_id: str) -> None:
     """Drop ``capture_id``'s worker rows of ``content`` on every worker, and its handover file if one was
-    written (idempotent; failed or cancelled request)."""
+    written (idempotent; failed or cancelled request). An engine that cannot be asked (dead, shutting down) holds
+    no rows to drop: logged, not raised — it is not the content plugin's fault (its discard would otherwise be
+    reported as a ``plugin_fault``). Raises only ``asyncio.CancelledError``."""
     try:
         await engine.worker_call(f"{content}.discard", capture_id)
+    except Exception as e:  # noqa: BLE001 - EngineDeadError and friends: nothing left on the workers to drop
+        log.warning("capture_discard_unreachable", content=content, error_type=type(e).__name__,
+                    error=_exc_text(e))
     finally:
         ho = getattr(engine, "handover", None)
         if isinstance(ho, Handover):
