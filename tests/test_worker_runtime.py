@@ -301,6 +301,18 @@ class HandoverEngine:
         return [self.rt.call(method, args)]
 
 
+def handing_engine(tmp_path, fail_in=None):
+    """A handover folder under ``tmp_path`` covering ``fake``, a fake worker whose runtime hands over into it,
+    and the driver-side engine over both: ``(handover, worker, runtime, engine)``."""
+    from genartifact.engine.worker_ext import Handover
+
+    ho = Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host(fail_in))
+    return ho, w, rt, HandoverEngine(rt, ho)
+
+
 def run_request(mr, rid, cid, tokens=(5, 1, 1)):
     mr.execute_model(step([NS(req_id=rid, sampling_params=NS(extra_args={"fake_id": cid, "start": 3}))],
                           sched={rid: tokens[0]}))
@@ -485,11 +497,7 @@ async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_fil
     import genartifact.engine.worker_ext as wx
 
     monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.01)
-    ho = wx.Handover(str(tmp_path))
-    ho.contents = {"fake"}
-    w = fake_worker()
-    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host())
-    eng = HandoverEngine(rt, ho)
+    ho, w, rt, eng = handing_engine(tmp_path)
     real_replace = wx.os.replace
 
     def full(src, dst):
@@ -845,11 +853,7 @@ async def test_a_handover_folder_removed_under_the_engine_is_replaced_and_costs_
     import genartifact.engine.worker_ext as wx
 
     monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
-    ho = wx.Handover(str(tmp_path))
-    ho.contents = {"fake"}
-    w = fake_worker()
-    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=handing_host())
-    eng = HandoverEngine(rt, ho)
+    ho, w, rt, eng = handing_engine(tmp_path)
     renewals = []
 
     async def renew_handover():
