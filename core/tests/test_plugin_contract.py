@@ -78,8 +78,8 @@ class EchoReader:
         return {"n": int(tensors["echo.values"].size)}
 
 
-def _plugin(make):
-    """A content plugin serving ``echo``: the producer ``make(name)`` and an :class:`EchoReader`."""
+def _plugin(make, reader=EchoReader):
+    """A content plugin serving ``echo``: the producer ``make(name)`` and a ``reader()`` (an :class:`EchoReader`)."""
     class Plugin:
         @hookimpl
         def genartifact_content_producer(self, name, model):
@@ -87,7 +87,7 @@ def _plugin(make):
 
         @hookimpl
         def genartifact_content_reader(self, name):
-            return EchoReader() if name == "echo" else None
+            return reader() if name == "echo" else None
 
     return Plugin()
 
@@ -760,23 +760,14 @@ def test_a_reader_that_crashes_is_a_plugin_fault_at_encode_and_a_named_format_er
         def validate(self, manifest, section, tensors):
             raise KeyError("exploded token=abc123")
 
-    class Plugin:
-        @hookimpl
-        def genartifact_content_producer(self, name, model):
-            return Echo(name) if name == "echo" else None
-
-        @hookimpl
-        def genartifact_content_reader(self, name):
-            return Crashing() if name == "echo" else None
-
     with structlog.testing.capture_logs() as logs:
-        res = run_session(make_host(contents={"echo": Plugin()}), ["echo"], [1, 2], [3, 4])
+        res = run_session(make_host(contents={"echo": _plugin(Echo, Crashing)}), ["echo"], [1, 2], [3, 4])
     assert res.receipt["state"] == "failed" and res.receipt["error_code"] == "internal_error"
     faults = [e for e in logs if e["event"] == "plugin_fault"]
     assert faults and faults[0]["method"] == "validate" and faults[0]["error_type"] == "KeyError"
     good = run_session(make_host(contents={"echo": echo_plugin()}), ["echo"], [1, 2], [3, 4])
     assert good.receipt["state"] == "ready"
-    broken = make_host(contents={"echo": Plugin()}).reader("echo")
+    broken = make_host(contents={"echo": _plugin(Echo, Crashing)}).reader("echo")
     with pytest.raises(ArtifactFormatError, match=r"content 'echo' reader failed: .*echo.*KeyError.*exploded") as ei:
         fmt.decode(good.data, readers={"echo": broken})
     assert "abc123" not in str(ei.value)
