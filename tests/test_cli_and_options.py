@@ -85,11 +85,21 @@ def test_verify_receipts(tmp_path, capsys, monkeypatch):
     assert "1/3 receipts verified" in out and "#2: receipt has no 'target' kind" in out
     assert main(["inspect", "managed_fsspec:local:runs/a.gart", "--config", str(cfg), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sha256"] == enc.sha256
+    # from another folder, without the run's config: the objects are not found, and the summary says why
+    monkeypatch.chdir(tmp_path / "store")
+    assert main(["verify", "--receipts", str(r)]) == 1
+    out = capsys.readouterr().out
+    assert "0/3 receipts verified" in out
+    assert f"1 object(s) not found: object ids resolve against the config's folder ({tmp_path / 'store'}" in out
 
 
 def test_missing_object(capsys):
     assert main(["inspect", "/nonexistent/x.gart"]) == 2
     assert "not found" in capsys.readouterr().err
+    # a receipt's object id pasted without its kind: the error says to put the kind in front
+    assert main(["verify", "local:runs/x.gart"]) == 2
+    err = capsys.readouterr().err
+    assert "needs its target kind" in err and "managed_fsspec:local:runs/x.gart" in err
 
 
 @pytest.mark.parametrize("plugin_installed", [True, False])

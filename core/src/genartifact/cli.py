@@ -100,7 +100,14 @@ def _read_object(ref: str, cfg_path: str | None) -> bytes:
     except Exception as e:  # noqa: BLE001 - any storage backend's error (botocore NoCredentialsError, ClientError, ...)
         # is a clean "cannot be read" (exit 2); its type only: provider text may echo signed URLs or credentials
         raise GenartifactError(f"object {_shown(ref)!r} cannot be read: {type(e).__name__}") from None
-    raise GenartifactError(f"object {_shown(ref)!r} not found: give a {REF_HELP}")
+    hint = ""
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}:.+", ref, flags=re.S):  # a receipt's object id without its kind
+        from genartifact.host import PluginHost
+
+        kinds = sorted(PluginHost({}).installed("targets"))
+        hint = (f"; a receipt's object_id needs its target kind (the receipt's \"target\") in front, e.g. "
+                f"{kinds[0] if kinds else 'KIND'}:{_shown(ref)} (installed kinds: {', '.join(kinds) or 'none'})")
+    raise GenartifactError(f"object {_shown(ref)!r} not found: give a {REF_HELP}{hint}")
 
 
 def _shown(ref: str) -> str:
@@ -364,7 +371,9 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
         raise GenartifactError(f"receipts file {path!r} cannot be read: {type(e).__name__}") from None
     import asyncio
 
-    bad = checked = 0
+    from genartifact.errors import ObjectNotFoundError
+
+    bad = checked = missing = 0
     targets: dict[str, Any] = {}
     prompt_parts: dict[str, Any] = {}  # a group's prompt part object id -> decoded artifact (or its error)
     parsed: list[Any] = []
@@ -438,7 +447,12 @@ def _verify_receipts(path: str, cfg_path: str | None) -> int:
         except GenartifactError as e:
             print(f"{label}: {_safe(r['object_id'])}: {_safe(e)}")
             bad += 1
+            missing += isinstance(e, ObjectNotFoundError)
     print(f"{checked - bad}/{checked} receipts verified (sha256, byte_count, strict decode)")
+    if missing:
+        base = config_mod.load(cfg_path).base_dir
+        print(f"{missing} object(s) not found: object ids resolve against the config's folder ({_safe(base)}; the "
+              f"working directory for the embedded default): run from where the run ran, or pass its --config")
     return 0 if bad == 0 else 1
 
 
