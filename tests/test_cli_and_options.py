@@ -93,6 +93,30 @@ def test_verify_receipts(tmp_path, capsys, monkeypatch):
     assert f"1 object(s) not found: object ids resolve against the config's folder ({tmp_path / 'store'}" in out
 
 
+def test_read_back_of_a_target_kind_the_config_does_not_set_up_says_to_pass_its_config(monkeypatch, capsys):
+    """``inspect KIND:OBJECT_ID`` of a kind whose factory needs settings, without the config that has them: the
+    target's own error, plus which config was used and that ``--config`` is the fix."""
+    import genartifact.host as host_mod
+    from genartifact.errors import ConfigError
+    from genartifact.testing import hookimpl, make_host
+
+    class NeedsRoot:
+        @hookimpl
+        def genartifact_storage_target(self, kind, settings):
+            if kind != "needs_root":
+                return None
+            if "root" not in settings:
+                raise ConfigError("[targets.needs_root] root: required")
+
+    host = make_host(targets={"needs_root": NeedsRoot()}, memory_target=False)
+    monkeypatch.setattr(host_mod, "PluginHost", lambda cfg, **kw: host)
+    from genartifact.cli import _target_for_kind
+
+    with pytest.raises(ConfigError, match=r"root: required \(<embedded default> has no \[targets.needs_root\] "
+                                          r"table: pass --config"):
+        _target_for_kind("needs_root", None)
+
+
 def test_missing_object(capsys):
     assert main(["inspect", "/nonexistent/x.gart"]) == 2
     assert "not found" in capsys.readouterr().err

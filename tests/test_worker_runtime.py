@@ -911,3 +911,31 @@ async def test_discard_on_a_dead_engine_is_logged_not_blamed_on_the_plugin():
     with structlog.testing.capture_logs() as logs:
         await discard_capture(Dead(), "fake", "c1")
     assert [e["event"] for e in logs] == ["capture_discard_unreachable"]
+
+
+@pytest.mark.fault("worker", "handover folder replacement whose RPC to the workers fails")
+async def test_a_failed_handover_replacement_leaves_fetches_on_rpc_and_no_folder(tmp_path, monkeypatch):
+    """The engine replaces a lost handover folder, but the RPC telling the workers fails (a dying engine): it keeps
+    no handover (fetches go by RPC; a folder the workers never heard of would make each fetch wait for files that
+    cannot come) and leaves no folder behind."""
+    import shutil
+
+    import genartifact.engine.vllm_adapter as va
+    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.engine.worker_ext import Handover
+
+    monkeypatch.setattr(va, "Handover", lambda: Handover(str(tmp_path)))  # the replacement's folder: here too
+
+    class DyingLLM:
+        async def collective_rpc(self, name, args=()):
+            raise RuntimeError("EngineDeadError")
+
+    eng = VllmEngine(PluginHost({"contents": ["moe_routes"]}), "/m")
+    eng.llm = DyingLLM()
+    eng.handover = old = Handover(str(tmp_path))
+    shutil.rmtree(old.dir)
+    assert not old.check_folder() and old.lost
+    with pytest.raises(RuntimeError, match="EngineDeadError"):
+        await eng.renew_handover()
+    assert eng.handover is None
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("genartifact-")]

@@ -37,12 +37,21 @@ REF_HELP = "file path, fsspec URL (needs fsspec), or KIND:OBJECT_ID (KIND = an i
 def _target_for_kind(kind: str, cfg_path: str | None) -> Any:
     """The (guarded) storage target of an installed ``kind`` built from the config's settings, for read-back.
     Raises :class:`GenartifactError` naming the installed kinds when ``kind`` is not one of them."""
+    from genartifact.errors import ConfigError
     from genartifact.host import PluginHost, normalize
 
     kind = normalize(kind)
     cfg = config_mod.load(cfg_path)
     host = PluginHost({"targets": [kind]})
-    target = host.hooks.storage_target(kind=kind, settings=cfg.target_settings().get(kind, {"base_dir": str(cfg.base_dir)}))
+    configured = kind in cfg.target_settings()
+    try:
+        target = host.hooks.storage_target(kind=kind,
+                                           settings=cfg.target_settings().get(kind, {"base_dir": str(cfg.base_dir)}))
+    except ConfigError as e:
+        if configured:
+            raise
+        raise ConfigError(f"{e} ({cfg.source} has no [targets.{kind}] table: pass --config with the config the "
+                          f"object was written under)") from None
     if target is None:
         raise GenartifactError(f"target kind '{kind}': its plugin returned no target")
     return target

@@ -262,7 +262,16 @@ class VllmEngine:
                         detail="worker rows are fetched by collective_rpc from now on")
             new = None
         self.handover = new
-        answers = await self._rpc(("handover", new.config() if new else None))
+        try:
+            answers = await self._rpc(("handover", new.config() if new else None))
+        except BaseException:
+            # the workers were not told (a dying engine, or cancelled): no folder, or fetches would wait for files
+            # that cannot come; they go by RPC
+            self.handover = None
+            if new is not None:
+                new.close()
+            old.close()
+            raise
         old.close()
         self._use_handover([dict(a) for a in answers if a.get("capturing")])
         log.info("capture_handover_renewed", dir=new.dir if new else None)
