@@ -821,8 +821,8 @@ async def test_close_survives_a_broken_watch_and_still_ends_the_waits(tmp_path):
 
 @pytest.mark.fault("worker", "capture ids a session never made: malformed, reused while live, reused after fetch")
 def test_capture_ids_no_session_made_are_not_captured_and_leave_nothing():
-    """A request whose capture id cannot be one (not 1-128 of [A-Za-z0-9_-]), is live for another request, or was
-    already fetched runs uncaptured: no step hook sees it, no rows are kept for it (they could never be handed
+    """A request whose capture id cannot be one (not 1-128 of [A-Za-z0-9_-]), is held for another request (running,
+    or finished and not yet fetched), or was already fetched runs uncaptured: no step hook sees it, no rows are kept for it (they could never be handed
     over or would mix with another request's). A request that comes back as new under the same id (preempted and
     rescheduled) stays captured."""
     w = fake_worker()
@@ -840,6 +840,13 @@ def test_capture_ids_no_session_made_are_not_captured_and_leave_nothing():
     mr.execute_model(step([new("e", "ok-1")], sched={"e": 5}))  # fetched already: its rows could not be handed over
     mr.sample_tokens(None)
     assert len(cap.events) == 4 and cap.rows == {} and rt.call("fake.stats", [])["live_flagged"] == 0
+    # finished, not yet fetched (the RPC path): a new request under its id would join its rows
+    mr.execute_model(step([new("f", "ok-2")], sched={"f": 2}))
+    mr.sample_tokens(None)
+    mr.execute_model(step(finished=["f"]))
+    mr.execute_model(step([new("g", "ok-2")], sched={"g": 9}))
+    mr.sample_tokens(None)
+    assert rt.call("fake.fetch", ["ok-2"])["found"] == [2] and cap.rows == {}
 
 
 @pytest.mark.fault("worker", "handover folder removed while fetches wait for their files")

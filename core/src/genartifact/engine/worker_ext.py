@@ -161,7 +161,9 @@ class WorkerRuntime:
         self.failed: dict[str, dict[str, str]] = {}  # content -> capture id -> error of a failed step hook
         self.gone: dict[str, collections.OrderedDict[str, str]] = {}  # content -> capture id -> how it went
         self.flagged: dict[str, dict[str, str]] = {}
-        self._live: dict[str, set[str]] = {}  # content -> the capture ids in flagged (one request each)
+        #: content -> capture ids whose rows a worker may still hold (flagged, or finished and not yet fetched,
+        #: discarded or handed over): one request each
+        self._live: dict[str, set[str]] = {}
         self._keys: list[tuple[str, str]] = []
         self._step: WorkerStep | None = None
         self._steps = 0
@@ -246,8 +248,6 @@ class WorkerRuntime:
             if fin and fl:
                 for rid in fin:
                     cid = fl.pop(rid, None)
-                    if cid is not None:
-                        self._live[name].discard(cid)
                     if cid is not None and self.handover_dir is not None and name in self.handover_contents:
                         env = self._handover_answer(name, cid, self._extra.get(rid) or {})
                         if env is not None:
@@ -262,14 +262,15 @@ class WorkerRuntime:
 
     def _may_flag(self, name: str, cid: str) -> bool:
         """Whether a new request may be captured under ``cid`` for content ``name``. Not when ``cid`` cannot be a
-        capture id (:data:`_SAFE`: 1-128 of ``[A-Za-z0-9_-]``, e.g. ``uuid4().hex``), is live for another request
-        (two requests' rows would mix), or was fetched, discarded or handed over already (its rows could never be
+        capture id (:data:`_SAFE`: 1-128 of ``[A-Za-z0-9_-]``, e.g. ``uuid4().hex``), is held for another request
+        (running, or finished with its rows not yet fetched, discarded or handed over: two requests' rows would
+        mix), or was fetched, discarded or handed over already (its rows could never be
         handed over): such a request — a caller's own ``extra_args``, never a genartifact session's random id — runs
         uncaptured (its fetch, if any, finds no rows) instead of leaving rows nobody takes. Logged, without the id."""
         if not _SAFE.fullmatch(cid):
             why = "not 1-128 characters of [A-Za-z0-9_-]"
         elif cid in self._live[name]:
-            why = "live for another request"
+            why = "held for another request (running, or finished and not yet fetched)"
         elif cid in self.gone[name]:
             why = f"already {self.gone[name][cid].replace('_', ' ')}"
         else:
@@ -415,6 +416,7 @@ class WorkerRuntime:
         return fn(list(args))
 
     def _bury(self, name: str, cid: str, how: str) -> None:
+        self._live[name].discard(cid)  # its rows are gone (fetched, discarded, handed over, failed)
         g = self.gone[name]
         g[cid] = how
         while len(g) > TOMBSTONES:
