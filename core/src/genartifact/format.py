@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from genartifact.errors import ArtifactFormatError
+from genartifact.errors import ArtifactFormatError, PluginFault
 
 FORMAT_NAME = "generation_artifact_v1"
 MAGIC = b"GENART\x00\x01"
@@ -845,7 +845,6 @@ def _validate_contents(manifest: dict[str, Any], views: dict[str, np.ndarray],
     ``internal_error``, not ``encode_failed``); otherwise (decode, which raises only format errors) it becomes an
     ``ArtifactFormatError`` that names the content, the plugin and the redacted error, chained to the plugin's
     exception (``genartifact --traceback`` shows where it raised)."""
-    from genartifact.errors import PluginFault
     from genartifact.readers import reader_for
 
     for name in manifest["contents"]:

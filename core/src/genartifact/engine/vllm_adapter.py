@@ -232,50 +232,52 @@ class VllmEngine:
     async def set_handover(self, enabled: bool) -> list[str]:
         """Switch out-of-band handover on or off on a running engine (benchmarks and tests of both paths).
         Call between requests: rows of requests in flight at the switch are still delivered (the fetch falls
-        back to RPC when no file comes). Returns the contents now handed over out of band."""
+        back to RPC when no file comes). Switched on while the folder is lost (:attr:`Handover.lost`), a new one
+        replaces it (where none can be made, ``/dev/shm`` full: logged, fetches stay on RPC). When the RPC telling
+        the workers fails, a changed handover is dropped and its folders closed (fetches go by RPC; a folder the
+        workers never heard of would make each fetch wait for files that cannot come), and the error raised.
+        Returns the contents now handed over out of band."""
         if self.llm is None:
             raise RuntimeError("engine is not running")
         old = self.handover
-        if enabled and old is None:
-            self.handover = Handover()
+        if enabled and (old is None or old.lost):
+            try:
+                self.handover = Handover()
+            except OSError as e:
+                if old is None:
+                    raise
+                log.warning("capture_handover_renew_failed", error=f"{type(e).__name__}: {e}",
+                            detail="worker rows are fetched by collective_rpc from now on")
+                self.handover = None
         elif not enabled:
             self.handover = None
-        answers = await self._rpc(("handover", self.handover.config() if self.handover else None))
-        if old is not None and old is not self.handover:
+        new = self.handover
+        try:
+            answers = await self._rpc(("handover", new.config() if new else None))
+        except BaseException:
+            if new is not old:  # the workers were not told (a dying engine, or cancelled)
+                self.handover = None
+                for h in (new, old):
+                    if h is not None:
+                        h.close()
+            raise
+        if old is not None and old is not new:
             old.close()
         self._use_handover([dict(a) for a in answers if a.get("capturing")])
         return sorted(self.handover.contents) if self.handover else []
 
     async def renew_handover(self) -> list[str]:
         """Replace a handover folder that was lost under the running engine (:attr:`Handover.lost`: removed or
-        replaced by someone else): a new folder, told to the workers (one RPC), the old one closed. Rows of requests
-        finished meanwhile were kept by their workers for the RPC fetch (:attr:`WorkerRuntime.unwritten`), so
-        nothing is lost either way; without a new folder (``/dev/shm`` full) fetches stay on RPC. Returns the
-        contents now handed over out of band."""
+        replaced by someone else): :meth:`set_handover` on, which makes a new folder, tells the workers (one RPC)
+        and closes the old one. Rows of requests finished meanwhile were kept by their workers for the RPC fetch
+        (:attr:`WorkerRuntime.unwritten`), so nothing is lost either way. Returns the contents now handed over out
+        of band."""
         old = self.handover
         if self.llm is None or old is None or not old.lost:
             return sorted(old.contents) if old is not None else []
-        try:
-            new: Handover | None = Handover()
-        except OSError as e:
-            log.warning("capture_handover_renew_failed", error=f"{type(e).__name__}: {e}",
-                        detail="worker rows are fetched by collective_rpc from now on")
-            new = None
-        self.handover = new
-        try:
-            answers = await self._rpc(("handover", new.config() if new else None))
-        except BaseException:
-            # the workers were not told (a dying engine, or cancelled): no folder, or fetches would wait for files
-            # that cannot come; they go by RPC
-            self.handover = None
-            if new is not None:
-                new.close()
-            old.close()
-            raise
-        old.close()
-        self._use_handover([dict(a) for a in answers if a.get("capturing")])
-        log.info("capture_handover_renewed", dir=new.dir if new else None)
-        return sorted(self.handover.contents) if self.handover else []
+        contents = await self.set_handover(True)
+        log.info("capture_handover_renewed", dir=self.handover.dir if self.handover else None)
+        return contents
 
     async def _rpc(self, args: tuple[Any, ...]) -> list[Any]:
         """``collective_rpc("genartifact_call", args)`` on the workers of *every* engine, answers flattened in

@@ -262,11 +262,11 @@ class WorkerRuntime:
 
     def _may_flag(self, name: str, cid: str) -> bool:
         """Whether a new request may be captured under ``cid`` for content ``name``. Not when ``cid`` cannot be a
-        capture id (:data:`_SAFE`: 1-128 of ``[A-Za-z0-9_-]``, e.g. ``uuid4().hex``), is held for another request
-        (running, or finished with its rows not yet fetched, discarded or handed over: two requests' rows would
-        mix), or was fetched, discarded or handed over already (its rows could never be
-        handed over): such a request — a caller's own ``extra_args``, never a genartifact session's random id — runs
-        uncaptured (its fetch, if any, finds no rows) instead of leaving rows nobody takes. Logged, without the id."""
+        capture id (:data:`_SAFE`: 1-128 of ``[A-Za-z0-9_-]``, e.g. ``uuid4().hex``; also what makes it a handover
+        key), is held for another request (running, or finished with its rows not yet fetched, discarded or handed
+        over: two requests' rows would mix), or was fetched, discarded or handed over already (its rows could never
+        be handed over). Such a request (a caller's own ``extra_args``, never a genartifact session's random id)
+        runs uncaptured, its fetch finding no rows, instead of leaving rows nobody takes. Logged, without the id."""
         if not _SAFE.fullmatch(cid):
             why = "not 1-128 characters of [A-Za-z0-9_-]"
         elif cid in self._live[name]:
@@ -282,8 +282,8 @@ class WorkerRuntime:
     def _handover_answer(self, name: str, cid: str, extra: Mapping[str, Any]) -> dict[str, Any] | None:
         """A finished request's fetch answer of content ``name`` for the step's handover file (its rows taken from
         the capture: ``handover``), or None when it goes no other way than RPC: a capture already fetched or
-        discarded by RPC, or whose id cannot be a handover key (:data:`_SAFE`)."""
-        if cid in self.gone[name] or not _SAFE.fullmatch(cid):
+        discarded by RPC. (Every flagged id is a handover key: :meth:`_may_flag` refuses any other.)"""
+        if cid in self.gone[name]:
             return None
         cap = self.captures[name]
         where = {"dp_rank": self.where["dp_rank"], "tp_rank": self.where["tp_rank"], "rank": self.where["rank"]}

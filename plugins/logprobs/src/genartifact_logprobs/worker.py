@@ -173,5 +173,5 @@ def _runner_arrays(mr: Any) -> bool:
     """``mr`` (a model runner) has vLLM 0.32's per-step ``optimistic_seq_lens_cpu`` (a host tensor) and
     ``discard_request_mask`` (a ``CpuGpuBuffer``: ``.np``) as :meth:`LogprobCapture._rows` reads them."""
     seq, mask = getattr(mr, "optimistic_seq_lens_cpu", None), getattr(mr, "discard_request_mask", None)
-    return hasattr(seq, "tolist") and hasattr(seq, "is_cpu") and bool(seq.is_cpu) and \
+    return hasattr(seq, "numpy") and hasattr(seq, "is_cpu") and bool(seq.is_cpu) and \
         hasattr(getattr(mask, "np", None), "tolist")
