@@ -13,6 +13,9 @@ Sustained load: each round runs --requests requests with at most --inflight in f
   driver does no artifact work (no admission, no collect, no encode, no delivery; the rows are dropped after the
   round): "worker capture only" ÷ "off" is the workers' share of the cost, "on" ÷ "worker capture only" the
   driver's;
+* "on, end_step inline" (``--inline-step-end``): "on" with the workers' ``end_step`` hooks run before the step's
+  output goes back to the engine (the ``step_end`` worker RPC around the round), as before issue 13's twelfth
+  pass deferred them to the worker's wait for the next call: "on" ÷ this side is what the deferral gains;
 * "off (plain engine)": a second ``AsyncLLM``, alive at the same time, built with exactly the product's engine
   options (``engine_options`` + ``cpu_mla_fallback``: skip_tokenizer_init, fp32, eager, no prefix caching, same
   seed) but without genartifact's worker init (no capture hooks, no session, no receipts), driven directly with
@@ -49,6 +52,7 @@ PROMPTS = [
 
 
 CONTENTS = ["moe_routes", "selected_logprobs"]
+INLINE = "on, end_step inline"
 EXTRA: dict = {}
 INFLIGHT = [16]
 STREAM = [True]
@@ -174,6 +178,8 @@ async def main_async(args) -> None:
     try:
         ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
         sides = ["on", "off (same engine)", "worker capture only"]
+        if args.inline_step_end:
+            sides.append(INLINE)
         if not args.skip_plain:
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -199,6 +205,12 @@ async def main_async(args) -> None:
                 return (await round_(eng, ids_list, max_tokens, False, root))[0]
             if side == "worker capture only":
                 return await worker_only_round(eng, ids_list, max_tokens)
+            if side == INLINE:  # the workers' end_step hooks before the step's output goes back (issue 13, 12th pass)
+                await eng.worker_call("step_end", "inline")
+                try:
+                    return (await round_(eng, ids_list, max_tokens, True, root))[0]
+                finally:
+                    await eng.worker_call("step_end", "deferred")
             return await plain_round(llm, ids_list, max_tokens, params_of)
 
         peaks: list[float] = []
@@ -226,6 +238,10 @@ async def main_async(args) -> None:
     print(ratio_line("worker capture only / off (same engine): the workers' share", tps["worker capture only"],
                      tps["off (same engine)"]))
     print(ratio_line("capture on / worker capture only: the driver's share", tps["on"], tps["worker capture only"]))
+    if args.inline_step_end:
+        print(ratio_line("capture on / capture on with end_step inline: deferring the workers' step end", tps["on"],
+                         tps[INLINE]))
+        print(ratio_line("capture on with end_step inline / off (same engine)", tps[INLINE], tps["off (same engine)"]))
     if not args.skip_plain:
         print(ratio_line("capture on / off (plain engine)", tps["on"], tps["off (plain engine)"], ">= 0.95"))
         print(ratio_line("off (same engine) / off (plain engine)", tps["off (same engine)"],
@@ -254,6 +270,9 @@ def main() -> None:
     ap.add_argument("--final-only", action="store_true", help="one final output per request (the generate job's mode)")
     ap.add_argument("--target-url", default="", help="managed_fsspec profile URL (default: a temp dir, file://)")
     ap.add_argument("--no-detokenize", action="store_true", help="detokenize=False for every request (token-in/out)")
+    ap.add_argument("--inline-step-end", action="store_true",
+                    help="add a side 'on' whose workers run end_step hooks inline (before the step's output goes "
+                         "back), the behaviour before deferral (step_end RPC between rounds)")
     ap.add_argument("--rpc-fetch", action="store_true",
                     help="fetch worker rows by collective_rpc instead of the out-of-band handover")
     add_smoke(ap)

@@ -75,6 +75,26 @@ async def test_worker_retains_nothing_after_requests(engine, tmp_path):
     assert lp[0]["requests"] == 0 and lp[0]["runner_arrays"] is True
 
 
+async def test_end_hooks_run_in_the_workers_wait_for_the_next_step_and_match_inline(engine, tmp_path):
+    """The capturing worker found vLLM's multiprocessing worker loop and runs its captures' end_step hooks in its
+    wait for the engine's next call, after the step's output went back; a greedy request's routes and logprobs are
+    the same with the hooks run inline, before the output goes back (the ``step_end`` RPC)."""
+    capturing = [w for w in engine.workers if w.get("capturing")]
+    assert capturing and all(w["idle_hook"] == "WorkerProc" and w["step_end"] == "deferred" for w in capturing)
+    ids = engine.tokenizer(TEXTS[2])["input_ids"]
+    sampling = {"max_tokens": 24, "temperature": 0.0}
+    deferred = await engine.run(ids, sampling, spec(), settings(tmp_path))
+    assert {a["step_end"] for a in await engine.worker_call("step_end", "inline") if a["capturing"]} == {"inline"}
+    try:
+        inline = await engine.run(ids, sampling, spec(), settings(tmp_path))
+    finally:
+        await engine.worker_call("step_end", "deferred")
+    a, b = read(tmp_path, deferred.receipt), read(tmp_path, inline.receipt)
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    assert np.array_equal(a.routes(), b.routes())
+    assert a.selected_logprobs().tolist() == b.selected_logprobs().tolist()
+
+
 async def test_plain_requests_are_not_captured(engine, tmp_path):
     ids = engine.tokenizer(TEXTS[0])["input_ids"]
     res = await engine.run(ids, {"max_tokens": 3}, None, settings(tmp_path))

@@ -122,6 +122,8 @@ def test_step_hook_fires_only_for_flagged_steps_and_fetch_hands_over_once():
     assert cap.events == []
     mr.execute_model(step([new("b", "cid-b")], sched={"a": 1, "b": 7}))
     out = mr.sample_tokens(None)
+    assert cap.events == [("begin", 1, {"b": "cid-b"})]  # end_step: after the output went back (deferred)
+    rt.settle()
     assert cap.events == [("begin", 1, {"b": "cid-b"}), ("end", 1, out, False)]
     mr.execute_model(step(finished=["b"], sched={"a": 1}))  # b finished: back to the fast path
     mr.sample_tokens(None)
@@ -834,6 +836,7 @@ def test_capture_ids_no_session_made_are_not_captured_and_leave_nothing():
     assert cap.events[0][2] == {"c": "ok-1"} and rt.call("fake.stats", [])["live_flagged"] == 1
     mr.execute_model(step([new("c", "ok-1")], sched={"c": 1}))  # c again as new (preempted, rescheduled)
     mr.sample_tokens(None)
+    rt.settle()
     assert cap.events[-2][2] == {"c": "ok-1"}
     mr.execute_model(step(finished=["a", "b", "c", "d"]))
     assert rt.call("fake.fetch", ["ok-1"])["found"] == [3, 1]
@@ -946,3 +949,139 @@ async def test_a_failed_handover_replacement_leaves_fetches_on_rpc_and_no_folder
         await eng.renew_handover()
     assert eng.handover is None
     assert not [n for n in os.listdir(tmp_path) if n.startswith("genartifact-")]
+
+
+class FakeMQ:
+    """vLLM's ``MessageQueue`` as the worker loop uses it: ``dequeue`` hands over the engine's next call."""
+
+    def __init__(self, calls, proc):
+        self.calls, self.proc, self.seen = list(calls), proc, []
+
+    def dequeue(self, indefinite=False):
+        self.seen.append(self.proc.events())  # what had run by the time the worker waited for this call
+        return self.calls.pop(0)
+
+
+class WorkerProc:
+    """vLLM 0.32's multiprocessing worker loop (``multiproc_executor.WorkerProc``), reduced: every RPC runs between
+    two ``self.rpc_broadcast_mq.dequeue(indefinite=True)`` calls, its output sent (``handle_output``) before the
+    next one."""
+
+    def __init__(self, worker, calls):
+        self.worker, self.rt, self.sent = worker, None, []
+        self.rpc_broadcast_mq = FakeMQ(calls, self)
+
+    def events(self):
+        return [e[0] for e in self.rt.captures["fake"].events] if self.rt else None
+
+    def worker_busy_loop(self):
+        while self.rpc_broadcast_mq.calls:
+            self._execute_worker_rpc(self.rpc_broadcast_mq.dequeue(indefinite=True))
+
+    def _execute_worker_rpc(self, req):
+        method, args = req
+        if method == "init":  # (the init RPC, its host given: the fake content is no installed distribution)
+            self.rt = WorkerRuntime(self.worker, CFG, host=make_host())
+        elif method == "fetch":
+            self.rt.call("fake.fetch", args)
+        else:
+            getattr(self.worker.model_runner, method)(*args)
+        self.sent.append(self.events())
+
+
+def test_end_step_runs_after_the_output_went_back_while_the_worker_waits_for_the_next_call():
+    """Deferred end hooks (the default): a step's ``end_step`` has not run when the step's output goes back to the
+    engine; it runs when vLLM's worker loop next waits for a call (its ``dequeue``, found from the init RPC),
+    before the next call is taken, in step order; the init answer names the loop."""
+    calls = [("init", ()), ("execute_model", (step([new("b", "cid-b")], sched={"b": 7}),)), ("sample_tokens", (None,)),
+             ("execute_model", (step(sched={"b": 1}),)), ("sample_tokens", (None,)), ("fetch", ["cid-b"])]
+    proc = WorkerProc(fake_worker(), calls)
+    proc.worker_busy_loop()
+    rt, seen = proc.rt, proc.rpc_broadcast_mq.seen
+    assert rt.idle_hook == "WorkerProc" and rt.answer()["step_end"] == "deferred"
+    assert proc.sent[2] == ["begin"]  # step 1's output went back before its end_step ran ...
+    assert seen[3] == ["begin", "end"]  # ... which ran in the worker's next wait, before the next call
+    assert proc.sent[4] == ["begin", "end", "begin"] and seen[5] == ["begin", "end", "begin", "end"]
+    assert rt.captures["fake"].rows == {}  # the fetch took both steps' rows
+    # the wait is wrapped once, and only from within a worker loop
+    assert getattr(proc.rpc_broadcast_mq.dequeue, "_genartifact_settles", None) is rt
+    import genartifact.engine.worker_ext as wx
+
+    assert wx._hook_idle_wait(rt) is None
+
+
+def test_a_deferred_end_step_settles_before_anything_that_could_see_it():
+    """Without a hooked wait (Ray, an in-process executor) the pending end hooks run at the worker's next entry:
+    the next step (before its begin_step and before it hands over finished requests), and every RPC verb, so a
+    fetch right after the last step has that step's rows."""
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host())
+    cap, mr = rt.captures["fake"], w.model_runner
+    assert rt.idle_hook is None
+    mr.execute_model(step([new("a", "c-a")], sched={"a": 4}))
+    mr.sample_tokens(None)
+    mr.execute_model(step(sched={"a": 1}))
+    assert [e[0] for e in cap.events] == ["begin", "end", "begin"]  # step 1's end before step 2's begin
+    mr.sample_tokens(None)
+    assert rt.call("fake.stats", [])["requests"] == 1 and [e[0] for e in cap.events][-1] == "end"
+    assert rt.call("fake.fetch", ["c-a"])["found"] == [4, 1]
+
+
+@pytest.mark.fault("worker", "a deferred end_step raises, or settling itself fails, in vLLM's worker loop")
+def test_a_failing_deferred_end_step_fails_its_requests_never_the_workers_loop(monkeypatch):
+    """A capture's deferred ``end_step`` that raises fails that step's flagged requests (their fetch names it), as
+    inline; and whatever goes wrong while settling in vLLM's wait is logged, never raised into the loop."""
+    import genartifact.engine.worker_ext as wx
+
+    class EndFails(Recorder):
+        def end_step(self, step):
+            raise KeyError("end boom")
+
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host(cls=EndFails))
+    mq = NS(dequeue=lambda indefinite=False: "next call")
+
+    def rpc(self):  # called as vLLM's worker loop calls the init RPC: the frame's ``self`` is the loop's object
+        return wx._hook_idle_wait(rt)
+
+    assert rpc(NS(worker_busy_loop=None, rpc_broadcast_mq=mq)) == "SimpleNamespace"
+    mr = w.model_runner
+    mr.execute_model(step([new("a", "c-a")], sched={"a": 2}))
+    mr.sample_tokens(None)
+    assert mq.dequeue(indefinite=True) == "next call"
+    mr.execute_model(step(finished=["a"]))
+    got = rt.call("fake.fetch", ["c-a"])
+    assert got["absent"] == "failed" and "end_step: KeyError" in got["error"]
+    mr.execute_model(step([new("b", "c-b")], sched={"b": 2}))
+    mr.sample_tokens(None)
+    monkeypatch.setattr(rt, "_fire", lambda *a, **k: 1 / 0)
+    assert mq.dequeue(indefinite=True) == "next call"  # logged (worker_step_end_failed), the loop goes on
+
+
+def test_step_end_inline_and_a_capture_that_opts_out_run_before_the_output_goes_back():
+    """``step_end`` ``inline`` (the ``step_end`` RPC) runs every end hook before ``sample_tokens`` returns, as before
+    deferral; a capture whose ``end_step_deferred`` is False runs inline whatever the mode; an unknown mode is
+    refused naming the allowed ones."""
+    w = fake_worker()
+    rt = w._genartifact_runtime = WorkerRuntime(w, CFG, host=make_host())
+    cap, mr = rt.captures["fake"], w.model_runner
+    assert _dispatch(w, "step_end", "inline")["step_end"] == "inline"
+    mr.execute_model(step([new("a", "c-a")], sched={"a": 2}))
+    mr.sample_tokens(None)
+    assert [e[0] for e in cap.events] == ["begin", "end"] and rt._pending is None
+    with pytest.raises(ValueError, match=r"step_end 'later' unknown; allowed: \['deferred', 'inline'\]"):
+        _dispatch(w, "step_end", "later")
+    with pytest.raises(ValueError, match="step_end 'x' unknown"):
+        WorkerRuntime(fake_worker(), {**CFG, "step_end": "x"}, host=make_host())
+
+    class Inline(Recorder):
+        end_step_deferred = False
+
+    w2 = fake_worker()
+    rt2 = WorkerRuntime(w2, CFG, host=make_host(cls=Inline))
+    assert rt2.step_end == "deferred"
+    w2.model_runner.execute_model(step([new("a", "c-a")], sched={"a": 2}))
+    w2.model_runner.sample_tokens(None)
+    assert [e[0] for e in rt2.captures["fake"].events] == ["begin", "end"]
+    rt2.settle()
+    assert [e[0] for e in rt2.captures["fake"].events] == ["begin", "end"]  # not run twice

@@ -164,6 +164,49 @@ def test_sample_rows_from_the_runner_arrays_equal_the_per_request_rule():
     assert not LogprobCapture(types.SimpleNamespace(model_runner=mr))._runner_arrays
 
 
+def test_the_sampled_rows_are_read_and_stored_at_end_step_off_the_critical_path():
+    """The sampler wrapper computes the flagged rows' log-softmax before sampling (the sampler may change the logits
+    in place) and keeps the step's sampled ids by reference; ``end_step`` (deferred by the worker runtime until the
+    step's output went back to the engine) reads and stores them: nothing is stored before it, exactly the
+    log-softmax of the sampled token after it, and a token id outside the vocabulary raises there (the runtime
+    fails the step's flagged requests instead of the engine's step)."""
+    import types
+
+    import torch
+    from genartifact_logprobs.worker import LogprobCapture
+
+    logits = torch.randn(3, 11)
+    raw = logits.clone()
+    sampled = torch.tensor([[4], [0], [10]])
+
+    def forward(lg, meta):
+        lg.mul_(0.5)  # a sampler that changes the logits in place (temperature): the logprobs are the raw ones
+        return types.SimpleNamespace(sampled_token_ids=sampled)
+
+    ends = torch.tensor([5, 9, 2, 0], dtype=torch.int32)
+    mr = types.SimpleNamespace(
+        sampler=types.SimpleNamespace(forward=forward),
+        input_batch=types.SimpleNamespace(num_reqs=3, req_ids=["a", "b", "c"], num_computed_tokens_cpu=np.zeros(3)),
+        requests={}, optimistic_seq_lens_cpu=ends,
+        discard_request_mask=types.SimpleNamespace(np=np.zeros(4, bool)))
+    cap = LogprobCapture(types.SimpleNamespace(model_runner=mr))
+    step = types.SimpleNamespace(flagged={"selected_logprobs": {"a": "ca", "c": "cc"}})
+    cap.begin_step(step)
+    mr.sampler.forward(logits, None)
+    assert cap.store == {}  # read at end_step, not in the sampler's call
+    sampled[0, 0] = 7  # (the sampled ids are read then: what the step's output holds at its end)
+    cap.end_step(step)
+    lp = raw.log_softmax(-1)
+    assert cap.store == {"ca": {5: (7, pytest.approx(float(lp[0, 7]), abs=0, rel=0))},
+                         "cc": {2: (10, pytest.approx(float(lp[2, 10]), abs=0, rel=0))}}
+    cap.begin_step(step)
+    mr.sampler.forward(raw.clone(), None)
+    sampled[2, 0] = -3
+    with pytest.raises(IndexError, match="-3"):
+        cap.end_step(step)
+    assert cap.step is None and cap._sampled is None  # nothing of the failed step is kept for the next one
+
+
 def worker_sourced(answer):
     """A worker-sourced producer (the engine runs the worker capture, raw_logprobs) whose fetch gets ``answer``."""
     import asyncio

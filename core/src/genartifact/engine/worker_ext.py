@@ -24,6 +24,9 @@ The step hook
     for steps with at least one flagged request, fires the typed step hook of each content's
     :class:`WorkerCapture`: ``begin_step(step)`` before the forward and ``end_step(step)`` after sampling, with
     :class:`WorkerStep` (scheduler output, model output). Steps without a flagged request cost one dict check.
+    ``end_step`` runs after the step's output has gone back to the engine core — in vLLM's multiprocessing
+    worker loop, while the worker waits for the next call (:func:`_hook_idle_wait`) — so a step's per-request
+    capture work is off the engine's critical path (:meth:`WorkerRuntime.settle`).
 
 The capture-id / fetch / discard pattern
     Contents hand their worker rows over by capture id: ``"<content>.fetch"`` pops and returns them,
@@ -93,12 +96,23 @@ class WorkerCapture:
 
     name: ClassVar[str] = ""
     capture_key: ClassVar[str] = ""
+    #: False: :meth:`end_step` runs before the step's output goes back to the engine (on its critical path), for a
+    #: capture that must finish there; True (default): after, off that path (:meth:`WorkerRuntime.settle`)
+    end_step_deferred: ClassVar[bool] = True
 
     def begin_step(self, step: WorkerStep) -> None:
         """Before the step's forward pass (the runner has not yet applied the step's state updates)."""
 
     def end_step(self, step: WorkerStep) -> None:
-        """After the step's sampling (``step.model_output`` set), or after a failed step."""
+        """After the step's sampling (``step.model_output`` set), or after a failed step.
+
+        Deferred by default (:attr:`end_step_deferred`): it runs after the worker has returned the step's output to
+        the engine, while the engine core schedules the next step (:meth:`WorkerRuntime.settle`), on the worker's
+        main thread, before the next step's :meth:`begin_step` and before any fetch, discard, handover or verb of
+        any capture. What the step's forward and sampling produced (``step.model_output``, tensors kept by
+        reference during the forward) is still intact then: the next forward has not started. ``step.model_output``
+        has already gone to the engine, so changing it changes nothing there. A failed step's ``end_step`` runs at
+        once."""
 
     def pop(self, capture_id: str, args: Sequence[Any]) -> Any | None:
         """Return (msgpack-native) and forget the rows of ``capture_id``; None if this worker has none."""
@@ -167,6 +181,14 @@ class WorkerRuntime:
         self._keys: list[tuple[str, str]] = []
         self._step: WorkerStep | None = None
         self._steps = 0
+        #: where ``end_step`` hooks run: ``"deferred"`` (after the step's output went back, see :meth:`settle`) or
+        #: ``"inline"`` (before it goes back); the init config's ``step_end``, changed by the ``step_end`` RPC
+        self.step_end = "deferred"
+        #: a step whose ``end_step`` hooks have not run yet (``step_end == "deferred"``)
+        self._pending: WorkerStep | None = None
+        #: the vLLM loop whose wait for the engine's next call runs the pending hooks (:func:`_hook_idle_wait`)
+        self.idle_hook: str | None = None
+        self._inline_end: set[str] = set()  # contents whose capture's end_step is not deferred
         #: the engine's handover folder (same machine as the driver) or None: fetch by RPC only
         self.handover_dir: str | None = None
         self.handover_contents: list[str] = []
@@ -189,8 +211,12 @@ class WorkerRuntime:
                 self._live[cap.name] = set()
                 self.gone[cap.name] = collections.OrderedDict()
                 self._keys.append((cap.capture_key, cap.name))
+                if not cap.end_step_deferred:
+                    self._inline_end.add(cap.name)
             if self.captures:
                 self._wrap(worker.model_runner)
+                self.idle_hook = _hook_idle_wait(self)
+        self.set_step_end(str(config.get("step_end", "deferred")))
         self.set_handover(config.get("handover"))
         log.info("worker_runtime_ready", captures=list(self.captures), handover=self.handover_dir is not None,
                  **self.where)
@@ -218,7 +244,8 @@ class WorkerRuntime:
     def answer(self) -> dict[str, Any]:
         return {"enabled": {"contents": self.config["contents"], "probes": self.config["probes"]},
                 "settings": self.config["settings"], "captures": sorted(self.captures),
-                "capturing": self.capturing, "handover": self.handover_contents, **self.where}
+                "capturing": self.capturing, "handover": self.handover_contents, "step_end": self.step_end,
+                "idle_hook": self.idle_hook, **self.where}
 
     # ----- the step hook
     def _track(self, so: Any) -> bool:
@@ -329,8 +356,12 @@ class WorkerRuntime:
             self.handover_written += 1
             self._bury(name, cid, "handed_over")
 
-    def _fire(self, method: str, step: WorkerStep) -> None:
+    def _fire(self, method: str, step: WorkerStep, deferred: bool | None = None) -> None:
+        """Call ``method`` of the step's flagged contents' captures (``deferred``: only those whose
+        :attr:`WorkerCapture.end_step_deferred` is that value; None: all)."""
         for name in step.flagged:
+            if deferred is not None and (name in self._inline_end) == deferred:
+                continue
             cap = self.captures[name]
             try:
                 getattr(cap, method)(step)
@@ -344,13 +375,47 @@ class WorkerRuntime:
         step, self._step = self._step, None
         if step is not None:
             step.model_output, step.failed = output, failed
-            self._fire("end_step", step)
+            if failed or self.step_end == "inline":
+                self._fire("end_step", step)
+            else:
+                if self._inline_end:
+                    self._fire("end_step", step, deferred=False)
+                self._pending = step
+
+    def settle(self) -> None:
+        """Run the ``end_step`` hooks of the step whose output the worker has returned, if they have not run yet.
+
+        With ``step_end = "deferred"`` (the default) a step's ``end_step`` hooks do not run before its output goes
+        back to the engine, where they would delay the engine's next step: they run when the worker next waits for
+        the engine's call (vLLM's multiprocessing worker loop, :func:`_hook_idle_wait`), while the engine core
+        turns the output into the next schedule. Where no such wait is hooked (Ray, an in-process executor) they
+        run at the worker's next entry. Whatever comes first, every entry settles before it reads or changes a
+        capture: the next step's ``execute_model``, and each RPC verb (fetch, discard, stats, plugin verbs). The
+        hooks so always run on the worker's main thread, in step order, before anything that could see their
+        effects, and before the next forward pass may overwrite what they read (the routers' ``topk_ids`` static
+        buffers under CUDA graphs, the sampler's output)."""
+        step, self._pending = self._pending, None
+        if step is not None:
+            self._fire("end_step", step, deferred=True)
+
+    def set_step_end(self, mode: str) -> None:
+        """Where ``end_step`` hooks run: ``"deferred"`` (see :meth:`settle`) or ``"inline"`` (before the step's output
+        goes back to the engine, on its critical path: the behaviour before deferral, kept as a switch for
+        comparison and for a plugin that must finish its step before the output leaves). Settles first.
+
+        :raises ValueError: another ``mode`` (naming the allowed ones)."""
+        if mode not in STEP_END_MODES:
+            raise ValueError(f"step_end {mode!r} unknown; allowed: {list(STEP_END_MODES)}")
+        self.settle()
+        self.step_end = mode
 
     def _wrap(self, mr: Any) -> None:
         orig_exec, orig_sample = mr.execute_model, getattr(mr, "sample_tokens", None)
 
         @functools.wraps(orig_exec)
         def execute_model(scheduler_output: Any, *a: Any, **kw: Any) -> Any:
+            if self._pending is not None:  # the previous step's deferred end hooks (no idle wait ran them)
+                self.settle()
             if self._step is not None:  # the previous step never reached sampling
                 self._end(None, True)
             if not self._track(scheduler_output):
@@ -388,6 +453,8 @@ class WorkerRuntime:
 
     # ----- RPC verbs
     def call(self, method: str, args: Sequence[Any]) -> Any:
+        if self._pending is not None:
+            self.settle()
         name, _, verb = method.partition(".")
         cap = self.captures.get(name)
         if cap is None:
@@ -445,6 +512,50 @@ class WorkerRuntime:
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
+#: where a capturing worker runs its captures' ``end_step`` hooks (:meth:`WorkerRuntime.settle`)
+STEP_END_MODES = ("deferred", "inline")
+
+
+def _hook_idle_wait(rt: WorkerRuntime) -> str | None:
+    """Make vLLM's worker loop settle ``rt`` (:meth:`WorkerRuntime.settle`) each time it waits for the engine's next
+    call, and return the loop's class name; None where no such loop calls this init RPC (Ray, an in-process
+    executor, a test).
+
+    vLLM 0.32's multiprocessing worker (``vllm/v1/executor/multiproc_executor.py``, ``WorkerProc.worker_busy_loop``)
+    runs every RPC between two ``self.rpc_broadcast_mq.dequeue(indefinite=True)`` calls, after the previous one's
+    output was sent (``handle_output``). The loop is found among the callers of the init RPC (a frame whose ``self``
+    has ``worker_busy_loop`` and an ``rpc_broadcast_mq`` with ``dequeue``) and that queue object's ``dequeue`` is
+    wrapped (an instance attribute: the loop looks it up on every iteration). The wrapper runs the pending hooks,
+    then waits as before: the worker does the work while the engine core processes the step's output and schedules
+    the next one, the time this worker otherwise spends spinning in that wait."""
+    import sys
+
+    f = sys._getframe(1)
+    while f is not None:
+        proc = f.f_locals.get("self")
+        mq = getattr(proc, "rpc_broadcast_mq", None)
+        if mq is not None and hasattr(proc, "worker_busy_loop") and callable(getattr(mq, "dequeue", None)):
+            break
+        f = f.f_back
+    else:
+        return None
+    orig = mq.dequeue
+    if getattr(orig, "_genartifact_settles", None) is rt:  # (wrapped already)
+        return type(proc).__name__
+
+    @functools.wraps(orig)
+    def dequeue(*a: Any, **kw: Any) -> Any:
+        if rt._pending is not None:
+            try:
+                rt.settle()
+            except Exception as e:  # noqa: BLE001 - (plugins' faults are caught per content) never into vLLM's loop
+                log.error("worker_step_end_failed", error=f"{type(e).__name__}: {_exc_text(e)}", **rt.where)
+        return orig(*a, **kw)
+
+    dequeue._genartifact_settles = rt  # type: ignore[attr-defined]
+    mq.dequeue = dequeue
+    return type(proc).__name__
+
 
 def _unlink(path: str) -> bool:
     try:
@@ -493,6 +604,9 @@ def _dispatch(worker: Any, method: str, *args: Any) -> Any:
                            "config) after start (VllmEngine.start / VllmEngine.attach)")
     if method == "handover":  # ("handover", {"dir", "token"} | None): switch out-of-band handover on/off
         rt.set_handover(args[0] if args else None)
+        return rt.answer()
+    if method == "step_end":  # ("step_end", "deferred" | "inline"): where end_step hooks run
+        rt.set_step_end(str(args[0]) if args else "deferred")
         return rt.answer()
     if method == "batch":  # ("batch", inner_method, [args, ...]) -> [result, ...]: one RPC for many calls
         inner, calls = args

@@ -9,7 +9,9 @@ flagged requests only, exactly what vLLM's sampler computes for ``raw_logprobs``
 ``logits.log_softmax(-1, dtype=float32)`` on the raw logits, before any processing (``vllm/v1/sample/sampler.py``)
 — and keeps, per request, ``position -> (token id, logprob)`` of each real sample (a chunked-prefill pass whose
 sample vLLM discards is skipped: real iff computed + scheduled tokens reach the request's token count). The
-driver fetches a finished request's entries and aligns them with the completion tokens by position and token id.
+log-softmax is taken in the sampler's call (before the sampler may change the logits in place); the sampled ids
+and their values are read and stored in ``end_step``, which the runtime runs after the step's output went back
+to the engine (off its critical path). The driver fetches a finished request's entries and aligns them with the completion tokens by position and token id.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class LogprobCapture(WorkerCapture):
         self.worker = worker
         self.step: WorkerStep | None = None
         self.store: dict[str, dict[int, tuple[int, float]]] = {}
+        #: the step's sampled rows, read and stored by end_step: (rows, log-softmax, sampled ids, idx, all_rows)
+        self._sampled: tuple[Any, ...] | None = None
         #: the runner keeps vLLM 0.32's per-step sample arrays (see :meth:`_rows`), else the per-request rule
         self._runner_arrays = _runner_arrays(mr)
         self._seq_tensor: Any = None  # the runner's optimistic_seq_lens_cpu last seen, and its numpy view
@@ -100,13 +104,8 @@ class LogprobCapture(WorkerCapture):
             # before the sampler, which may change the logits in place (temperature, penalties)
             lp = flagged_log_softmax(logits, idx, all_rows)
             out = orig_forward(logits, sampling_metadata, *a, **kw)
-            toks, vals = selected_values(lp, out.sampled_token_ids, idx, all_rows)
-            store = self.store
-            for (_, cid, pos), t, v in zip(rows, toks, vals, strict=True):
-                entries = store.get(cid)
-                if entries is None:
-                    entries = store[cid] = {}
-                entries[pos] = (t, v)
+            # read and stored in end_step, off the engine's critical path (the runtime defers it)
+            self._sampled = (rows, lp, out.sampled_token_ids, idx, all_rows)
             return out
 
         sampler.forward = forward
@@ -116,6 +115,17 @@ class LogprobCapture(WorkerCapture):
 
     def end_step(self, step: WorkerStep) -> None:
         self.step = None
+        sampled, self._sampled = self._sampled, None
+        if sampled is None:
+            return
+        rows, lp, sampled_token_ids, idx, all_rows = sampled
+        toks, vals = selected_values(lp, sampled_token_ids, idx, all_rows)
+        store = self.store
+        for (_, cid, pos), t, v in zip(rows, toks, vals, strict=True):
+            entries = store.get(cid)
+            if entries is None:
+                entries = store[cid] = {}
+            entries[pos] = (t, v)
 
     def _rows(self, n_rows: int) -> list[tuple[int, str, int]]:
         """The step's flagged rows that hold a real sample, ascending: ``(batch row, capture id, position)``, the
