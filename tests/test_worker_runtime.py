@@ -240,6 +240,7 @@ async def test_start_fails_clearly_when_a_worker_reports_another_plugin_set():
         async def collective_rpc(self, name, args=()):
             assert name == "genartifact_call" and args[0] == "init"
             assert args[1]["contents"] == ["moe_routes"]  # the config travels in the call
+            assert args[1]["step_end"] == "deferred"  # (VllmEngine(worker_step_end=...))
             return self.answers
 
     eng = VllmEngine(PluginHost({"contents": ["moe_routes"]}), "/m")
@@ -1071,8 +1072,15 @@ def test_step_end_inline_and_a_capture_that_opts_out_run_before_the_output_goes_
     assert [e[0] for e in cap.events] == ["begin", "end"] and rt._pending is None
     with pytest.raises(ValueError, match=r"step_end 'later' unknown; allowed: \['deferred', 'inline'\]"):
         _dispatch(w, "step_end", "later")
+    w3 = fake_worker()
+    run = w3.model_runner.execute_model
     with pytest.raises(ValueError, match="step_end 'x' unknown"):
-        WorkerRuntime(fake_worker(), {**CFG, "step_end": "x"}, host=make_host())
+        WorkerRuntime(w3, {**CFG, "step_end": "x"}, host=make_host())
+    assert w3.model_runner.execute_model == run  # a refused init wraps nothing
+    from genartifact.engine.vllm_adapter import VllmEngine
+
+    with pytest.raises(ValueError, match=r"worker_step_end 'later' unknown; allowed: \['deferred', 'inline'\]"):
+        VllmEngine(PluginHost({"contents": []}), "/m", worker_step_end="later")
 
     class Inline(Recorder):
         end_step_deferred = False

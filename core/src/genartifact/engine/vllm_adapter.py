@@ -78,10 +78,20 @@ class VllmEngine:
     :param capture_handover: hand finished requests' worker rows over out of band
         (:class:`~genartifact.engine.worker_ext.Handover`: a file per request in a private ``/dev/shm`` folder)
         where the workers share the driver's machine; False: always fetch them by ``collective_rpc``.
+    :param worker_step_end: where the capturing workers run their captures' ``end_step`` hooks: ``"deferred"``
+        (after the step's output went back to the engine core, off its critical path:
+        :meth:`~genartifact.engine.worker_ext.WorkerRuntime.settle`) or ``"inline"`` (before; the placement before
+        issue 13's twelfth pass). Switched on a running engine by ``await engine.worker_call("step_end", mode)``.
+    :raises ValueError: ``worker_step_end`` is neither (naming the allowed values).
     """
 
     def __init__(self, host: PluginHost, model: str | os.PathLike[str], capture_handover: bool = True,
-                 **engine_kwargs: Any) -> None:
+                 worker_step_end: str = "deferred", **engine_kwargs: Any) -> None:
+        from genartifact.engine.worker_ext import STEP_END_MODES
+
+        if worker_step_end not in STEP_END_MODES:
+            raise ValueError(f"worker_step_end {worker_step_end!r} unknown; allowed: {list(STEP_END_MODES)}")
+        self.worker_step_end = worker_step_end
         self.host = host
         self.model_dir = str(Path(model).resolve())
         self.engine_kwargs = engine_kwargs
@@ -177,7 +187,7 @@ class VllmEngine:
     async def _init_workers(self) -> set[str]:
         """Send ``init`` (enabled plugins + settings) to every worker of every engine; check the answers.
         Returns the set of contents that capture in workers (empty when no worker carries the RPC method)."""
-        cfg = init_config(self.host)
+        cfg = {**init_config(self.host), "step_end": self.worker_step_end}
         if self.capture_handover and self.handover is None:
             self.handover = Handover()
         if self.handover is not None:

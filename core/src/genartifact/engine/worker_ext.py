@@ -160,6 +160,9 @@ class WorkerRuntime:
     the live flagged requests per content, and the execute_model/sample_tokens wrapping."""
 
     def __init__(self, worker: Any, config: Mapping[str, Any], host: Any = None) -> None:
+        step_end = str(config.get("step_end", "deferred"))
+        if step_end not in STEP_END_MODES:  # before anything is wrapped: a refused init leaves the worker as it was
+            raise ValueError(f"step_end {step_end!r} unknown; allowed: {list(STEP_END_MODES)}")
         self.worker = worker
         self.config = {"contents": list(config.get("contents", [])), "probes": list(config.get("probes", [])),
                        "settings": dict(config.get("settings", {}) or {})}
@@ -182,8 +185,9 @@ class WorkerRuntime:
         self._step: WorkerStep | None = None
         self._steps = 0
         #: where ``end_step`` hooks run: ``"deferred"`` (after the step's output went back, see :meth:`settle`) or
-        #: ``"inline"`` (before it goes back); the init config's ``step_end``, changed by the ``step_end`` RPC
-        self.step_end = "deferred"
+        #: ``"inline"`` (before it goes back); the init config's ``step_end`` (``VllmEngine(worker_step_end=...)``),
+        #: changed by the ``step_end`` RPC
+        self.step_end = step_end
         #: a step whose ``end_step`` hooks have not run yet (``step_end == "deferred"``)
         self._pending: WorkerStep | None = None
         #: the vLLM loop whose wait for the engine's next call runs the pending hooks (:func:`_hook_idle_wait`)
@@ -216,7 +220,6 @@ class WorkerRuntime:
             if self.captures:
                 self._wrap(worker.model_runner)
                 self.idle_hook = _hook_idle_wait(self)
-        self.set_step_end(str(config.get("step_end", "deferred")))
         self.set_handover(config.get("handover"))
         log.info("worker_runtime_ready", captures=list(self.captures), handover=self.handover_dir is not None,
                  **self.where)
