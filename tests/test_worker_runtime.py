@@ -1093,3 +1093,19 @@ def test_step_end_inline_and_a_capture_that_opts_out_run_before_the_output_goes_
     assert [e[0] for e in rt2.captures["fake"].events] == ["begin", "end"]
     rt2.settle()
     assert [e[0] for e in rt2.captures["fake"].events] == ["begin", "end"]  # not run twice
+
+
+def test_a_step_is_closed_before_its_deferred_end_step_runs():
+    """``WorkerStep.closed`` is False for ``begin_step`` (and the forward) and True once the step's output went back,
+    before its deferred ``end_step``: what a capture's in-model callbacks check to ignore runs outside the step."""
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host())
+    cap, mr, seen = rt.captures["fake"], w.model_runner, []
+    begin, end = cap.begin_step, cap.end_step
+    cap.begin_step = lambda s: (seen.append(("begin", s.closed)), begin(s))
+    cap.end_step = lambda s: (seen.append(("end", s.closed)), end(s))
+    mr.execute_model(step([new("a", "c-a")], sched={"a": 2}))
+    mr.sample_tokens(None)
+    assert rt._pending is not None and rt._pending.closed and seen == [("begin", False)]
+    rt.settle()
+    assert seen == [("begin", False), ("end", True)]

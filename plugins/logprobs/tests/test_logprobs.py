@@ -190,15 +190,20 @@ def test_the_sampled_rows_are_read_and_stored_at_end_step_off_the_critical_path(
         requests={}, optimistic_seq_lens_cpu=ends,
         discard_request_mask=types.SimpleNamespace(np=np.zeros(4, bool)))
     cap = LogprobCapture(types.SimpleNamespace(model_runner=mr))
-    step = types.SimpleNamespace(flagged={"selected_logprobs": {"a": "ca", "c": "cc"}})
+    step = types.SimpleNamespace(flagged={"selected_logprobs": {"a": "ca", "c": "cc"}}, closed=False)
     cap.begin_step(step)
     mr.sampler.forward(logits, None)
     assert cap.store == {}  # read at end_step, not in the sampler's call
+    step.closed = True  # (the runtime: the step's output went back, its end_step not yet run)
+    kept = cap._sampled
+    mr.sampler.forward(torch.randn(3, 11), None)  # a dummy run's sampler in between: ignored
+    assert cap._sampled is kept
     sampled[0, 0] = 7  # (the sampled ids are read then: what the step's output holds at its end)
     cap.end_step(step)
     lp = raw.log_softmax(-1)
     assert cap.store == {"ca": {5: (7, pytest.approx(float(lp[0, 7]), abs=0, rel=0))},
                          "cc": {2: (10, pytest.approx(float(lp[2, 10]), abs=0, rel=0))}}
+    step.closed = False
     cap.begin_step(step)
     mr.sampler.forward(raw.clone(), None)
     sampled[2, 0] = -3

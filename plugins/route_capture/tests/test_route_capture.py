@@ -269,3 +269,31 @@ def test_admission_layout_follows_the_config_and_its_contents():
     for _ in range(2):
         with pytest.raises(AdmissionError, match="exceeds expert count"):
             rc.layout_for(bad)
+
+
+def test_router_calls_after_a_step_closed_are_ignored_until_its_deferred_end_step():
+    """Between a step's end (its output went back: ``WorkerStep.closed``) and its deferred ``end_step``, router
+    calls come from a run outside the step (a data-parallel dummy batch, a profile run): they must not replace the
+    step's kept ``topk_ids``, which ``end_step`` then records at the step's positions."""
+    from types import SimpleNamespace as NS
+
+    import torch
+    from genartifact.engine.worker_ext import WorkerStep
+    from genartifact_route_capture.recorder import RouteRecorder
+    from genartifact_route_capture.worker import RouteCapture
+
+    cap = object.__new__(RouteCapture)  # (no vLLM model: the recorder and the runner's batch by hand)
+    cap.recorder = RouteRecorder(router_ids=[0, 1], top_k=2, dtype=np.dtype("<u1"), max_positions=64)
+    ib = NS(num_reqs=1, req_ids=["a"], num_computed_tokens_cpu=np.array([3]))
+    cap.worker = NS(model_runner=NS(input_batch=ib))
+    cap.step, cap.step_ready = None, False
+    step = WorkerStep(NS(num_scheduled_tokens={"a": 1}), {"moe_routes": {"a": "ca"}}, 1)
+    cap.begin_step(step)
+    cap.capture(0, torch.tensor([[1, 2]]))
+    cap.capture(1, torch.tensor([[3, 4]]))
+    step.closed = True
+    cap.capture(0, torch.tensor([[7, 7]]))  # a dummy run before the deferred end_step
+    cap.end_step(step)
+    out = cap.pop("ca", [3, 4])
+    assert np.frombuffer(out["data"], np.uint8).reshape(out["shape"]).tolist() == [[[1, 2]], [[3, 4]]]
+    assert out["missing"] is None

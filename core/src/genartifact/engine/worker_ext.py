@@ -75,6 +75,10 @@ class WorkerStep:
         ``end_step``; None in ``begin_step`` and when the step failed.
     :ivar index: running step number on this worker (steps with flagged requests only).
     :ivar failed: the forward or sampling raised (``end_step`` still runs so that captures reset).
+    :ivar closed: the step's forward and sampling are over (set before its ``end_step`` runs, which may be later:
+        :meth:`WorkerRuntime.settle`). A capture's callbacks that fire inside the model or the sampler must ignore
+        calls while it is set: they come from a run outside the step (a data-parallel dummy batch, a profile run)
+        and would overwrite what the step left for its ``end_step``.
     """
 
     scheduler_output: Any
@@ -82,6 +86,7 @@ class WorkerStep:
     index: int
     model_output: Any = None
     failed: bool = False
+    closed: bool = False
 
 
 class WorkerCapture:
@@ -377,7 +382,7 @@ class WorkerRuntime:
     def _end(self, output: Any, failed: bool) -> None:
         step, self._step = self._step, None
         if step is not None:
-            step.model_output, step.failed = output, failed
+            step.model_output, step.failed, step.closed = output, failed, True
             if failed or self.step_end == "inline":
                 self._fire("end_step", step)
             else:

@@ -93,7 +93,7 @@ class LogprobCapture(WorkerCapture):
 
         @functools.wraps(orig_forward)
         def forward(logits: Any, sampling_metadata: Any, *a: Any, **kw: Any) -> Any:
-            if self.step is None:
+            if self.step is None or self.step.closed:  # (a dummy run between a step's end and its end_step)
                 return orig_forward(logits, sampling_metadata, *a, **kw)
             rows = self._rows(logits.shape[0])
             if not rows:

@@ -91,7 +91,10 @@ class RecordingCapture(WorkerCapture):
 
     def capture(self, layer_id: int, rows: Any) -> None:
         """Router callback: ``rows`` ``[tokens_in_step, top_k]`` (a torch tensor) of MoE layer ``layer_id``."""
-        if self.step is None:  # no flagged request this step, or profile/dummy runs outside execute_model
+        step = self.step
+        # no flagged request this step, or a profile/dummy run outside execute_model (also between a step's end and
+        # its deferred end_step: step.closed)
+        if step is None or step.closed:
             return
         if not self.step_ready:
             self._begin()
