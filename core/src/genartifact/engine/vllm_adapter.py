@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from genartifact.engine.worker_ext import QUALNAME, RPC, Handover, init_config
+from genartifact.engine.worker_ext import QUALNAME, RPC, Handover, init_config, step_end_mode
 from genartifact.errors import EngineStartError, RequestSpecError
 from genartifact.host import PluginHost
 from genartifact.session import ArtifactSession
@@ -87,11 +87,7 @@ class VllmEngine:
 
     def __init__(self, host: PluginHost, model: str | os.PathLike[str], capture_handover: bool = True,
                  worker_step_end: str = "deferred", **engine_kwargs: Any) -> None:
-        from genartifact.engine.worker_ext import STEP_END_MODES
-
-        if worker_step_end not in STEP_END_MODES:
-            raise ValueError(f"worker_step_end {worker_step_end!r} unknown; allowed: {list(STEP_END_MODES)}")
-        self.worker_step_end = worker_step_end
+        self.worker_step_end = step_end_mode(worker_step_end, "worker_step_end")
         self.host = host
         self.model_dir = str(Path(model).resolve())
         self.engine_kwargs = engine_kwargs

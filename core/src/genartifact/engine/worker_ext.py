@@ -165,9 +165,8 @@ class WorkerRuntime:
     the live flagged requests per content, and the execute_model/sample_tokens wrapping."""
 
     def __init__(self, worker: Any, config: Mapping[str, Any], host: Any = None) -> None:
-        step_end = str(config.get("step_end", "deferred"))
-        if step_end not in STEP_END_MODES:  # before anything is wrapped: a refused init leaves the worker as it was
-            raise ValueError(f"step_end {step_end!r} unknown; allowed: {list(STEP_END_MODES)}")
+        # checked before anything is wrapped: a refused init leaves the worker as it was
+        step_end = step_end_mode(str(config.get("step_end", "deferred")))
         self.worker = worker
         self.config = {"contents": list(config.get("contents", [])), "probes": list(config.get("probes", [])),
                        "settings": dict(config.get("settings", {}) or {})}
@@ -412,8 +411,7 @@ class WorkerRuntime:
         comparison and for a plugin that must finish its step before the output leaves). Settles first.
 
         :raises ValueError: another ``mode`` (naming the allowed ones)."""
-        if mode not in STEP_END_MODES:
-            raise ValueError(f"step_end {mode!r} unknown; allowed: {list(STEP_END_MODES)}")
+        step_end_mode(mode)
         self.settle()
         self.step_end = mode
 
@@ -522,6 +520,13 @@ _SAFE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 #: where a capturing worker runs its captures' ``end_step`` hooks (:meth:`WorkerRuntime.settle`)
 STEP_END_MODES = ("deferred", "inline")
+
+
+def step_end_mode(mode: str, field: str = "step_end") -> str:
+    """``mode`` when it is one of :data:`STEP_END_MODES`. :raises ValueError: naming ``field`` and the allowed values."""
+    if mode not in STEP_END_MODES:
+        raise ValueError(f"{field} {mode!r} unknown; allowed: {list(STEP_END_MODES)}")
+    return mode
 
 
 def _hook_idle_wait(rt: WorkerRuntime) -> str | None:

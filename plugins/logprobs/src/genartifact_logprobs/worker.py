@@ -11,7 +11,8 @@ flagged requests only, exactly what vLLM's sampler computes for ``raw_logprobs``
 sample vLLM discards is skipped: real iff computed + scheduled tokens reach the request's token count). The
 log-softmax is taken in the sampler's call (before the sampler may change the logits in place); the sampled ids
 and their values are read and stored in ``end_step``, which the runtime runs after the step's output went back
-to the engine (off its critical path). The driver fetches a finished request's entries and aligns them with the completion tokens by position and token id.
+to the engine (off its critical path). The driver fetches a finished request's entries and aligns them with the
+completion tokens by position and token id.
 """
 
 from __future__ import annotations
