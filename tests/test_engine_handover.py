@@ -128,6 +128,35 @@ async def test_cancelled_requests_leave_no_handover_files(engine, tmp_path):
     assert stats[0]["requests"] == 0
 
 
+@async_engine
+async def test_requests_cancelled_while_others_run_leave_no_rows_in_the_workers(engine, tmp_path):
+    """A client gone mid-generation: the driver discards the request's captures (``ArtifactSession.aclose``) and
+    vLLM's abort reaches the scheduler later (the stream generator is finalized after that), so the request may
+    run more steps on the worker after the discard. Those steps must not capture it again (they did: one row
+    buffer left per cancelled request until restart, found by issue 13's attacker; timing-dependent there, so
+    here the discard is made to land first, then the request runs on before its abort)."""
+    ids = engine.tokenizer(TEXTS[2])["input_ids"]
+
+    async def discard_then_cancel(i: int) -> None:
+        prep = engine.prepare(ids + [7] * i, {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True},
+                              spec(CONTENTS), settings(tmp_path))
+        gen = engine.execute(prep, stream=True)
+        n = 0
+        async for _ in gen:
+            n += 1
+            if n == 2 + i:
+                await prep.session.aclose(engine)  # the discards land while the request still runs
+            if n == 6 + i:
+                break
+        await gen.aclose()  # then the abort (execute's own aclose again: idempotent)
+
+    await asyncio.wait_for(asyncio.gather(*(discard_then_cancel(i) for i in range(4))), 120)
+    await engine.run(ids, {"max_tokens": 2}, spec(CONTENTS), settings(tmp_path))  # the aborts have landed
+    for content in CONTENTS:
+        stats = await engine.worker_call(f"{content}.stats")
+        assert [s["requests"] for s in stats if s is not None] == [0], (content, stats)
+
+
 DRIVER = textwrap.dedent("""
     import asyncio, sys, time
     from genartifact.engine.vllm_adapter import VllmEngine

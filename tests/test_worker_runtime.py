@@ -1109,3 +1109,30 @@ def test_a_step_is_closed_before_its_deferred_end_step_runs():
     assert rt._pending is not None and rt._pending.closed and seen == [("begin", False)]
     rt.settle()
     assert seen == [("begin", False), ("end", True)]
+
+
+@pytest.mark.parametrize("verb", ["discard", "fetch"])
+def test_rows_fetched_or_discarded_while_the_request_still_runs_are_never_recreated(verb):
+    """A client that goes away makes the driver discard its capture before vLLM's abort reaches the scheduler,
+    so the request runs more steps on the worker. Those steps must not capture it again: its id is buried (never
+    handed over, never fetched), so rows re-created for it would stay in the worker until restart (found by the
+    attacker of issue 13's thirteenth pass: one leaked row buffer per cancelled request). Same for a fetch of a
+    request still running."""
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host())
+    cap, mr = rt.captures["fake"], w.model_runner
+    mr.execute_model(step([new("a", "cid-a"), new("b", "cid-b")], sched={"a": 4, "b": 3}))
+    mr.sample_tokens(None)
+    rt.call(f"fake.{verb}", ["cid-a"])  # settles the step first, then drops a's rows
+    assert list(cap.rows) == ["cid-b"]
+    for _ in range(3):  # a still scheduled: the abort has not landed yet
+        mr.execute_model(step(sched={"a": 1, "b": 1}))
+        mr.sample_tokens(None)
+    rt.settle()
+    begins = [e[2] for e in cap.events if e[0] == "begin"]
+    assert begins == [{"a": "cid-a", "b": "cid-b"}] + [{"b": "cid-b"}] * 3 and cap.events[-1][0] == "end"
+    assert list(cap.rows) == ["cid-b"] and cap.rows["cid-b"] == [3, 1, 1, 1]
+    mr.execute_model(step(finished=["a", "b"]))
+    assert rt.call("fake.stats", [])["live_flagged"] == 0
+    assert rt.call("fake.fetch", ["cid-a"])["absent"] == ("discarded" if verb == "discard" else "fetched")
+    assert rt.call("fake.fetch", ["cid-b"])["found"] == [3, 1, 1, 1] and cap.rows == {}

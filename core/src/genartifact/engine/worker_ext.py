@@ -471,9 +471,12 @@ class WorkerRuntime:
                 raise ValueError(f"no enabled worker plugin handles method {method!r}")
             return result
         if verb == "fetch":
-            return self._fetch(name, cap, args)
+            out = self._fetch(name, cap, args)
+            self._unflag(name, str(args[0]))
+            return out
         if verb == "discard":
             cid = str(args[0])
+            self._unflag(name, cid)
             self.failed[name].pop(cid, None)
             found = cap.drop(cid)
             found = self.unwritten[name].pop(cid, None) is not None or found
@@ -487,6 +490,15 @@ class WorkerRuntime:
             raise ValueError(f"{name} worker verb {verb!r} unknown; allowed: "
                              f"{sorted(['discard', 'fetch', 'stats', *cap.verbs()])}")
         return fn(list(args))
+
+    def _unflag(self, name: str, cid: str) -> None:
+        """Stop capturing ``cid`` for content ``name``: a request still running when its rows are fetched or
+        discarded (a client gone: the driver discards before vLLM's abort reaches the scheduler, so the request
+        may run more steps) is no longer in the steps' ``flagged`` maps, so no capture re-creates rows for it that
+        nobody would ever take (its id is buried: never handed over, never fetched again)."""
+        fl = self.flagged[name]
+        for rid in [r for r, c in fl.items() if c == cid]:
+            del fl[rid]
 
     def _bury(self, name: str, cid: str, how: str) -> None:
         self._live[name].discard(cid)  # its rows are gone (fetched, discarded, handed over, failed)
