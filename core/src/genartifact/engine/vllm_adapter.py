@@ -361,18 +361,22 @@ class VllmEngine:
         kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
         params = SamplingParams(**sampling, output_kind=kind)
         rid = request_id or uuid.uuid4().hex
-        async for out in self.llm.generate(engine_input(self.llm, prompt_token_ids), params, rid):
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            yield Delta(
-                prompt_token_ids=out.prompt_token_ids or prompt_token_ids,
-                new_token_ids=ids,
-                new_logprobs=_sample_logprobs(c.logprobs, len(ids)),
-                routed_experts=getattr(c, "routed_experts", None),
-                finished=bool(out.finished),
-                finish_reason=c.finish_reason,
-                arrival_ns=time.monotonic_ns(),
-            ), c
+        outputs = self.llm.generate(engine_input(self.llm, prompt_token_ids), params, rid)
+        try:
+            async for out in outputs:
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                yield Delta(
+                    prompt_token_ids=out.prompt_token_ids or prompt_token_ids,
+                    new_token_ids=ids,
+                    new_logprobs=_sample_logprobs(c.logprobs, len(ids)),
+                    routed_experts=getattr(c, "routed_experts", None),
+                    finished=bool(out.finished),
+                    finish_reason=c.finish_reason,
+                    arrival_ns=time.monotonic_ns(),
+                ), c
+        finally:  # closed early (client gone): vLLM's generate aborts the request now, not when it is collected
+            await outputs.aclose()
 
     def prepare(self, prompt_token_ids: list[int], sampling: Mapping[str, Any],
                 artifact: Mapping[str, Any] | None, target_settings: Mapping[str, Mapping[str, Any]],
@@ -418,8 +422,9 @@ class VllmEngine:
         # every delta to the session only when a content consumes deltas; else the completion once, at the end
         per_delta = session is not None and session.consumes_deltas
         last = None
+        outputs = self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not per_step)
         try:
-            async for delta, c in self.stream(prep.prompt_token_ids, prep.sampling, request_id, final_only=not per_step):
+            async for delta, c in outputs:
                 completion.extend(delta.new_token_ids)
                 if per_delta:
                     session.record_or_fail(delta)
@@ -436,6 +441,9 @@ class VllmEngine:
                 peak, budget = session.peak_retained, session.budget
             yield RequestResult(prep.prompt_token_ids, completion, None, receipt, finish, peak, budget, stop_reason)
         finally:
+            # closed early: vLLM's abort first, so the request stops running before its captures are discarded
+            # (a discard landing first leaves it running on for the discard's round trips)
+            await outputs.aclose()
             if session is not None:
                 await session.aclose(self)
 
