@@ -235,3 +235,29 @@ def test_killed_driver_leaves_nothing_in_dev_shm(qwen_model, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@async_engine
+async def test_a_request_the_engine_aborts_stores_nothing_and_leaves_no_rows(engine, tmp_path):
+    """The engine's owner aborts a running request (``AsyncLLM.abort``, as an RL framework or operator does):
+    vLLM ends it with finish_reason 'abort', the receipt is ``generation_aborted`` (not a ready artifact of a cut
+    short completion, nor a capture error about missing rows), nothing is stored and no worker keeps its rows."""
+    ids = engine.tokenizer(TEXTS[1])["input_ids"]
+    prep = engine.prepare(ids, {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}, spec(CONTENTS),
+                          settings(tmp_path))
+    rid, n, result = "abort-me-" + os.urandom(4).hex(), 0, None
+    async for ev in engine.execute(prep, stream=True, request_id=rid):
+        if isinstance(ev, tuple):
+            n += 1
+            if n == 3:
+                await engine.llm.abort(rid)
+        else:
+            result = ev
+    assert result is not None and result.finish_reason == "abort" and len(result.completion_token_ids) < 200
+    assert result.receipt["state"] == "failed" and result.receipt["error_code"] == "generation_aborted", result.receipt
+    assert not list(tmp_path.rglob("*.gart"))
+    await engine.run(ids, {"max_tokens": 2}, None, settings(tmp_path))  # the workers learn it finished
+    for content in CONTENTS:
+        stats = await engine.worker_call(f"{content}.stats")
+        assert [s["requests"] for s in stats if s is not None] == [0], (content, stats)
+    assert engine.handover.files() == []

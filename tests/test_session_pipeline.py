@@ -103,6 +103,32 @@ async def test_logprobs_only_round_trip(host):
     s.release()
 
 
+@pytest.mark.parametrize(("reason", "code"), [("abort", "generation_aborted"), ("error", "engine_failed")])
+@pytest.mark.fault("engine", "generation cut short (vLLM finish_reason abort / error)")
+async def test_a_generation_the_engine_cut_short_stores_nothing(host, reason, code):
+    """vLLM ends a request with finish_reason 'abort' (aborted by the engine's owner, or the engine shutting down)
+    or 'error': its completion is cut short, so an artifact of it would look like a whole generation. Nothing
+    is stored and the receipt says why (found by issue 13's attacker: a shutdown mid-request gave a ready
+    receipt for 256 of 1500 tokens)."""
+    s = session(host)
+    s.admit(3, 8, sampling={"temperature": 1.0})
+    s.sampling_overrides({})
+    s.record(Delta([1, 2, 3], [10, 11], lp([10, 11])))
+    s.record(Delta([1, 2, 3], [12], lp([12]), finished=True, finish_reason=reason))
+    r = await s.finalize()
+    assert r["state"] == "failed" and r["error_code"] == code and f"'{reason}'" in r["error"], r
+    t = s.request.target
+    assert not mem_exists(f"{t['profile']}:{t['object_key']}")
+    s.release()
+    for normal in ("stop", "length", None):  # a whole generation is stored
+        s = session(host)
+        s.admit(3, 8, sampling={"temperature": 1.0})
+        s.sampling_overrides({})
+        s.record(Delta([1, 2, 3], [10], lp([10]), finished=True, finish_reason=normal))
+        assert (await s.finalize())["state"] == "ready"
+        s.release()
+
+
 async def test_routes_via_worker_path_with_start(host):
     s = session(host, spec(["moe_routes", "selected_logprobs"]))
     s.admit(4, 3, routes_start=2)

@@ -49,7 +49,15 @@ ERROR_MESSAGES = {
     "forbidden": "generation artifact upload was refused by the store (403)",
     "redirect_refused": "generation artifact upload was redirected; redirects are not followed",
     "internal_error": "generation artifact failed",
+    "generation_aborted": "generation did not finish: the engine aborted the request (vLLM finish_reason 'abort'); "
+                          "nothing was stored",
+    "engine_failed": "generation did not finish: the engine ended the request with an error (vLLM finish_reason "
+                     "'error'); nothing was stored",
 }
+
+#: vLLM finish reasons (``vllm.v1.engine.FinishReason``) of a generation that did not run to its end, and the
+#: receipt's error code for each: its artifact would look complete while its completion was cut short
+UNFINISHED = {"abort": "generation_aborted", "error": "engine_failed"}
 
 MANIFEST_BASE_BYTES = 8192
 MANIFEST_BYTES_PER_ROUTER = 24
@@ -112,6 +120,7 @@ class ArtifactSession:
         self.encoded_bound = 0
         self._header: dict[str, Any] = {}
         self._finished = False
+        self._finish_reason: str | None = None
         self.peak_retained = 0
         self.failed_code: str | None = None
         # the producers' optional flags, read once at admission (per_step_deltas, consumes_deltas)
@@ -267,6 +276,7 @@ class ArtifactSession:
             if retained > self.budget:
                 raise CaptureError(f"retained {retained} bytes exceed the admitted budget of {self.budget} bytes")
         self._finished = delta.finished
+        self._finish_reason = delta.finish_reason
 
     def record_or_fail(self, delta: Delta) -> None:
         """Like :meth:`record`, but a :class:`CaptureError` marks the artifact failed (``capture_invalid``)
@@ -328,6 +338,11 @@ class ArtifactSession:
         self._require_admitted()
         if self.failed_code is not None:
             return failed_receipt(self.request, self.failed_code)
+        unfinished = UNFINISHED.get(str(self._finish_reason))
+        if unfinished is not None:  # cut short (an abort by the engine's owner, the engine shutting down): no object
+            log.warning("artifact_generation_unfinished", finish_reason=self._finish_reason,
+                        completion_tokens=len(self._completion), contents=sorted(self.request.contents))
+            return failed_receipt(self.request, unfinished)
         # a copy: the session's own token buffer (what is stored) must not be writable by a plugin's collect
         final = FinalContext(self.prompt_token_count, len(self._completion), engine, tuple(self._completion))
         try:
@@ -522,6 +537,7 @@ class ArtifactSession:
         self._validated = None
         self.prompt_token_count = self.max_tokens = self.budget = self.encoded_bound = 0
         self._finished = False
+        self._finish_reason = None
         self.failed_code = None
 
 
