@@ -1136,3 +1136,18 @@ def test_rows_fetched_or_discarded_while_the_request_still_runs_are_never_recrea
     assert rt.call("fake.stats", [])["live_flagged"] == 0
     assert rt.call("fake.fetch", ["cid-a"])["absent"] == ("discarded" if verb == "discard" else "fetched")
     assert rt.call("fake.fetch", ["cid-b"])["found"] == [3, 1, 1, 1] and cap.rows == {}
+
+
+def test_a_batch_answers_every_verb_as_if_each_call_came_alone():
+    """The engine merges concurrent ``worker_call``s of one method into one ``batch`` RPC; the worker answers
+    each as if it came alone, runtime verbs (``step_end``, ``handover``) included. Two concurrent ``step_end``
+    switches failed with "no enabled worker plugin handles method 'step_end'" (issue 13's attacker)."""
+    w = fake_worker()
+    rt = WorkerRuntime(w, CFG, host=make_host())
+    w._genartifact_runtime = rt
+    got = _dispatch(w, "batch", "step_end", [["inline"], ["inline"]])
+    assert [a["step_end"] for a in got] == ["inline", "inline"] and rt.step_end == "inline"
+    assert [a["handover"] for a in _dispatch(w, "batch", "handover", [[None]])] == [[]]  # handover off: no contents
+    assert _dispatch(w, "batch", "fake.stats", [[], []])[1]["live_flagged"] == 0
+    with pytest.raises(ValueError, match="step_end 'x' unknown"):
+        _dispatch(w, "batch", "step_end", [["x"]])

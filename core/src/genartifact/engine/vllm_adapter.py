@@ -104,6 +104,7 @@ class VllmEngine:
         self.capture_handover = capture_handover
         #: the out-of-band handover folder (None: fetch by RPC), see :meth:`set_handover`
         self.handover: Handover | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the engine was started on
 
     async def start(self) -> VllmEngine:
         """Build and start the engine (about 20-40 s on CPU), then initialise the workers.
@@ -116,6 +117,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         opts = cpu_mla_fallback(engine_options(self.host, self.model_dir, self.engine_kwargs))
+        self._loop = asyncio.get_running_loop()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**opts))
         self._owns_llm = True
         try:
@@ -332,11 +334,18 @@ class VllmEngine:
                 f.set_result(r)
 
     def shutdown(self) -> None:
-        """Stop the engine if this object built it (an attached caller's engine is left running)."""
+        """Stop the engine if this object built it (an attached caller's engine is left running). Requests still
+        running on it end with vLLM's ``EngineDeadError`` (their receipts: ``engine_failed`` in the ``generate``
+        job): vLLM's own shutdown cancels its output handler without failing their output queues, so a request
+        waiting for its next output could otherwise wait forever (seen under a busy worker: issue 13's attacker).
+        Callable from any thread."""
         try:
             if self.llm is not None:
                 if self._owns_llm:
-                    self.llm.shutdown()
+                    try:
+                        self.llm.shutdown()
+                    finally:
+                        _fail_in_flight(self.llm, self._loop)
                 self.llm = None
         finally:  # the handover folder goes even when vLLM's shutdown fails (e.g. after a worker died)
             if self.handover is not None:
@@ -466,6 +475,32 @@ class VllmEngine:
         assert result is not None
         result.logprobs = logprobs if user_logprobs is not None else None
         return result
+
+
+def _fail_in_flight(llm: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+    """End every request still waiting for output from ``llm`` (an ``AsyncLLM`` just shut down) with vLLM's
+    ``EngineDeadError``, through vLLM's own ``OutputProcessor.propagate_error`` (what its output handler does when
+    the engine core dies), on ``loop``'s thread: the queues are asyncio objects. Best effort: a vLLM without those
+    attributes is left as it is."""
+    op = getattr(llm, "output_processor", None)
+    if op is None or not getattr(op, "request_states", None) or not callable(getattr(op, "propagate_error", None)):
+        return
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    def fail() -> None:
+        try:
+            op.propagate_error(EngineDeadError("the engine was shut down while the request was running"))
+        except Exception as e:  # noqa: BLE001 - shutting down anyway
+            log.warning("engine_shutdown_fail_requests_failed", error=f"{type(e).__name__}: {e}")
+
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is None or running is loop or loop.is_closed():
+        fail()
+    else:
+        loop.call_soon_threadsafe(fail)
 
 
 def engine_input(llm: Any, prompt_token_ids: Sequence[int]) -> Any:

@@ -633,9 +633,9 @@ def _dispatch(worker: Any, method: str, *args: Any) -> Any:
     if method == "step_end":  # ("step_end", "deferred" | "inline"): where end_step hooks run
         rt.set_step_end(str(args[0]) if args else "deferred")
         return rt.answer()
-    if method == "batch":  # ("batch", inner_method, [args, ...]) -> [result, ...]: one RPC for many calls
-        inner, calls = args
-        return [rt.call(inner, a) for a in calls]
+    if method == "batch":  # ("batch", inner_method, [args, ...]) -> [result, ...]: one RPC for many calls,
+        inner, calls = args  # each answered as if sent alone (the engine merges concurrent calls of one method)
+        return [_dispatch(worker, inner, *a) for a in calls]
     return rt.call(method, args)
 
 
