@@ -1151,3 +1151,55 @@ def test_a_batch_answers_every_verb_as_if_each_call_came_alone():
     assert _dispatch(w, "batch", "fake.stats", [[], []])[1]["live_flagged"] == 0
     with pytest.raises(ValueError, match="step_end 'x' unknown"):
         _dispatch(w, "batch", "step_end", [["x"]])
+
+
+
+class CallbackRecorder(Recorder):
+    """A capture that also plants a callback inside the model (as a router hook does), run under ``step.guard``."""
+
+    boom = False
+
+    def begin_step(self, step):
+        super().begin_step(step)
+        self.step = step
+
+    def inside_forward(self):
+        def work(x):
+            if self.boom:
+                raise RuntimeError(f"callback broke on {x} https://s3.example/b/k?X-Amz-Signature=SECRETSIG")
+            return x * 2
+        self.results = [self.step.guard("fake", work, i) for i in range(3)]
+
+
+def test_a_guarded_callback_fault_fails_the_steps_requests_and_the_run_goes_on():
+    """``WorkerStep.guard``: a callback a capture plants inside vLLM (a router hook, a sampler wrapper) that raises
+    fails that step's flagged requests of its content (their fetch names the callback and the exception, secrets
+    redacted), skips the content's other guarded calls of the step, and raises nothing into the forward; requests
+    not in that step and later steps are not touched."""
+    w = fake_worker()
+    inside = []
+    runner = w.model_runner
+    orig = runner.execute_model
+    runner.execute_model = lambda so: (inside[0].inside_forward() if inside else None, orig(so))[1]
+    rt = WorkerRuntime(w, CFG, host=make_host(cls=CallbackRecorder))
+    cap = rt.captures["fake"]
+    inside.append(cap)
+    mr = w.model_runner
+    mr.execute_model(step([new("a", "cid-a")], sched={"a": 4}))
+    mr.sample_tokens(None)
+    assert cap.results == [0, 2, 4]
+    cap.boom = True
+    mr.execute_model(step([new("b", "cid-b")], sched={"a": 1, "b": 2}))  # a and b in the failing step
+    mr.sample_tokens(None)
+    assert cap.results == [None, None, None]  # the first raised, the others were skipped: nothing escaped
+    cap.boom = False
+    mr.execute_model(step([new("c", "cid-c")], sched={"a": 1, "b": 1, "c": 3}))
+    mr.sample_tokens(None)
+    assert cap.results == [0, 2, 4]
+    rt.settle()
+    mr.execute_model(step(finished=["a", "b", "c"]))
+    for cid in ("cid-a", "cid-b"):
+        got = rt.call("fake.fetch", [cid])
+        assert got["absent"] == "failed" and "RuntimeError: callback broke on 0" in got["error"], got
+        assert "SECRETSIG" not in got["error"] and "inside_forward.<locals>.work" in got["error"]
+    assert rt.call("fake.fetch", ["cid-c"])["found"] == [3]

@@ -190,7 +190,9 @@ def test_the_sampled_rows_are_read_and_stored_at_end_step_off_the_critical_path(
         requests={}, optimistic_seq_lens_cpu=ends,
         discard_request_mask=types.SimpleNamespace(np=np.zeros(4, bool)))
     cap = LogprobCapture(types.SimpleNamespace(model_runner=mr))
-    step = types.SimpleNamespace(flagged={"selected_logprobs": {"a": "ca", "c": "cc"}}, closed=False)
+    from genartifact.engine.worker_ext import WorkerStep
+
+    step = WorkerStep(None, {"selected_logprobs": {"a": "ca", "c": "cc"}}, 1)
     cap.begin_step(step)
     mr.sampler.forward(logits, None)
     assert cap.store == {}  # read at end_step, not in the sampler's call
@@ -244,3 +246,36 @@ def test_worker_sourced_values_checked_at_collect(bad):
         worker_sourced({"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-1.0, bad, -2.0]})
     with pytest.raises(CaptureError, match="2 logprobs for 3 completion tokens"):
         worker_sourced({"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-1.0, -2.0]})
+
+
+def test_a_fault_in_the_sampler_wrapper_fails_the_step_not_the_sampler():
+    """The wrapper's own work runs under ``WorkerStep.guard``: when it raises (here: the row walk), vLLM's sampler
+    still runs exactly once and its output goes back unchanged, the step records the fault for this content (the
+    runtime fails its flagged requests of the step), and nothing of the step is kept."""
+    import types
+
+    import torch
+    from genartifact.engine.worker_ext import WorkerStep
+    from genartifact_logprobs.worker import LogprobCapture
+
+    calls = []
+    out = types.SimpleNamespace(sampled_token_ids=torch.tensor([[1]]))
+
+    def forward(lg, meta):
+        calls.append(meta)
+        return out
+
+    mr = types.SimpleNamespace(sampler=types.SimpleNamespace(forward=forward),
+                               input_batch=types.SimpleNamespace(num_reqs=1, req_ids=["a"]), requests={})
+    cap = LogprobCapture(types.SimpleNamespace(model_runner=mr))
+
+    def broken(n_rows):
+        raise RuntimeError("row walk broke")
+
+    cap._rows = broken
+    step = WorkerStep(None, {"selected_logprobs": {"a": "ca"}}, 1)
+    cap.begin_step(step)
+    assert mr.sampler.forward(torch.randn(1, 5), "meta") is out and calls == ["meta"]
+    assert "RuntimeError: row walk broke" in step.faults["selected_logprobs"] and cap._sampled is None
+    cap.end_step(step)
+    assert cap.store == {}

@@ -297,3 +297,32 @@ def test_router_calls_after_a_step_closed_are_ignored_until_its_deferred_end_ste
     out = cap.pop("ca", [3, 4])
     assert np.frombuffer(out["data"], np.uint8).reshape(out["shape"]).tolist() == [[[1, 2]], [[3, 4]]]
     assert out["missing"] is None
+
+
+def test_a_fault_in_the_router_callback_fails_the_step_never_the_forward():
+    """The router callback runs inside vLLM's forward: a fault there (here: the recorder) is caught by
+    ``WorkerStep.guard``, recorded for this content (the runtime fails its flagged requests of the step), and the
+    step's later router calls are skipped; nothing raises into the forward."""
+    from types import SimpleNamespace as NS
+
+    import torch
+    from genartifact.engine.worker_ext import WorkerStep
+    from genartifact_route_capture.recorder import RouteRecorder
+    from genartifact_route_capture.worker import RouteCapture
+
+    cap = object.__new__(RouteCapture)
+    cap.recorder = RouteRecorder(router_ids=[0, 1], top_k=2, dtype=np.dtype("<u1"), max_positions=64)
+    calls = []
+
+    def broken(layer_id, rows):
+        calls.append(layer_id)
+        raise ValueError("recorder broke")
+
+    cap.recorder.on_layer = broken
+    cap.worker = NS(model_runner=NS(input_batch=NS(num_reqs=1, req_ids=["a"], num_computed_tokens_cpu=np.array([3]))))
+    cap.step, cap.step_ready = None, False
+    step = WorkerStep(NS(num_scheduled_tokens={"a": 1}), {"moe_routes": {"a": "ca"}}, 1)
+    cap.begin_step(step)
+    assert cap.capture(0, torch.tensor([[1, 2]])) is None
+    assert cap.capture(1, torch.tensor([[3, 4]])) is None
+    assert calls == [0] and "ValueError: recorder broke" in step.faults["moe_routes"]

@@ -44,7 +44,7 @@ import os
 import re
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import structlog
@@ -79,6 +79,8 @@ class WorkerStep:
         :meth:`WorkerRuntime.settle`). A capture's callbacks that fire inside the model or the sampler must ignore
         calls while it is set: they come from a run outside the step (a data-parallel dummy batch, a profile run)
         and would overwrite what the step left for its ``end_step``.
+    :ivar faults: content name -> the first exception (redacted text) one of its callbacks raised under
+        :meth:`guard` in this step; the runtime fails that content's flagged requests of the step with it.
     """
 
     scheduler_output: Any
@@ -87,6 +89,25 @@ class WorkerStep:
     model_output: Any = None
     failed: bool = False
     closed: bool = False
+    faults: dict[str, str] = field(default_factory=dict)
+
+    def guard(self, content: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` for content ``content``, isolated: what a capture runs inside vLLM's own calls (a router
+        callback, the work around a wrapped sampler) goes through here, so that its exception fails this step's
+        flagged requests of ``content`` (their fetch names the exception; generation goes on) instead of raising
+        into vLLM's forward or sampler, which would end the engine for every request. Returns ``fn``'s result, or
+        None once it raised (then, for the rest of the step, ``content``'s guarded calls are skipped and return
+        None). Keep vLLM's own call outside: ``out = orig(...)`` must run exactly once whatever the guarded work
+        before or after it does. Exceptions only; ``KeyboardInterrupt``/``SystemExit`` pass."""
+        if content in self.faults:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
+            err = f"{getattr(fn, '__qualname__', 'callback')}: {type(e).__name__}: {_exc_text(e)}"
+            self.faults[content] = err
+            log.error("worker_capture_callback_failed", content=content, step=self.index, error=err)
+            return None
 
 
 class WorkerCapture:
@@ -382,6 +403,11 @@ class WorkerRuntime:
         step, self._step = self._step, None
         if step is not None:
             step.model_output, step.failed, step.closed = output, failed, True
+            for name, err in step.faults.items():  # a guarded callback raised: its content's requests of the step
+                fails = self.failed.get(name)
+                if fails is not None:
+                    for cid in step.flagged.get(name, {}).values():
+                        fails.setdefault(cid, err)
             if failed or self.step_end == "inline":
                 self._fire("end_step", step)
             else:

@@ -92,21 +92,29 @@ class LogprobCapture(WorkerCapture):
         sampler = mr.sampler
         orig_forward = sampler.forward
 
-        @functools.wraps(orig_forward)
-        def forward(logits: Any, sampling_metadata: Any, *a: Any, **kw: Any) -> Any:
-            if self.step is None or self.step.closed:  # (a dummy run between a step's end and its end_step)
-                return orig_forward(logits, sampling_metadata, *a, **kw)
+        def before(logits: Any) -> tuple[Any, ...] | None:
+            """The step's flagged rows and their log-softmax, taken before the sampler, which may change the
+            logits in place (temperature, penalties); None when no flagged row holds a sample."""
             rows = self._rows(logits.shape[0])
             if not rows:
-                return orig_forward(logits, sampling_metadata, *a, **kw)
+                return None
             # rows are ascending batch rows: as many as the batch has means every row, in order (no gather)
             all_rows = len(rows) == logits.shape[0]
             idx = None if all_rows else torch.tensor([r for r, _, _ in rows], dtype=torch.long)
-            # before the sampler, which may change the logits in place (temperature, penalties)
-            lp = flagged_log_softmax(logits, idx, all_rows)
+            return rows, flagged_log_softmax(logits, idx, all_rows), idx, all_rows
+
+        @functools.wraps(orig_forward)
+        def forward(logits: Any, sampling_metadata: Any, *a: Any, **kw: Any) -> Any:
+            step = self.step
+            if step is None or step.closed:  # (a dummy run between a step's end and its end_step)
+                return orig_forward(logits, sampling_metadata, *a, **kw)
+            # our work is guarded (a fault fails this step's flagged requests, never the sampler); vLLM's sampler
+            # runs exactly once, outside the guard
+            pre = step.guard(NAME, before, logits)
             out = orig_forward(logits, sampling_metadata, *a, **kw)
-            # read and stored in end_step, off the engine's critical path (the runtime defers it)
-            self._sampled = (rows, lp, out.sampled_token_ids, idx, all_rows)
+            if pre is not None:  # read and stored in end_step, off the engine's critical path (the runtime defers it)
+                rows, lp, idx, all_rows = pre
+                self._sampled = (rows, lp, out.sampled_token_ids, idx, all_rows)
             return out
 
         sampler.forward = forward

@@ -96,6 +96,10 @@ class RecordingCapture(WorkerCapture):
         # its deferred end_step: step.closed)
         if step is None or step.closed:
             return
+        # inside vLLM's forward: a fault here fails this step's flagged requests of this content, never the forward
+        step.guard(self.name, self._on_layer, layer_id, rows)
+
+    def _on_layer(self, layer_id: int, rows: Any) -> None:
         if not self.step_ready:
             self._begin()
         if not self.recorder.recording:  # no flagged request scheduled in this step
