@@ -104,9 +104,8 @@ class WorkerStep:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
-            err = f"{getattr(fn, '__qualname__', 'callback')}: {type(e).__name__}: {_exc_text(e)}"
-            self.faults[content] = err
-            log.error("worker_capture_callback_failed", content=content, step=self.index, error=err)
+            # logged by the runtime at the step's end, with the worker's ranks, as a failing step hook is
+            self.faults[content] = f"{getattr(fn, '__qualname__', 'callback')}: {type(e).__name__}: {_exc_text(e)}"
             return None
 
 
@@ -394,20 +393,24 @@ class WorkerRuntime:
             try:
                 getattr(cap, method)(step)
             except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
-                err = f"{type(e).__name__}: {_exc_text(e)}"
-                log.error("worker_capture_step_failed", content=name, hook=method, error=err, **self.where)
-                for cid in step.flagged[name].values():
-                    self.failed[name].setdefault(cid, f"{method}: {err}")
+                self._fail_step(step, name, method, f"{method}: {type(e).__name__}: {_exc_text(e)}")
+
+    def _fail_step(self, step: WorkerStep, name: str, hook: str, err: str) -> None:
+        """A capture of content ``name`` failed in ``step`` (its ``hook`` raised, or a callback under
+        :meth:`WorkerStep.guard`): logged with this worker's ranks, and each of the step's flagged requests of
+        ``name`` failed with ``err`` (its fetch answer names it)."""
+        log.error("worker_capture_step_failed", content=name, hook=hook, error=err, **self.where)
+        fails = self.failed.get(name)
+        if fails is not None:
+            for cid in step.flagged.get(name, {}).values():
+                fails.setdefault(cid, err)
 
     def _end(self, output: Any, failed: bool) -> None:
         step, self._step = self._step, None
         if step is not None:
             step.model_output, step.failed, step.closed = output, failed, True
             for name, err in step.faults.items():  # a guarded callback raised: its content's requests of the step
-                fails = self.failed.get(name)
-                if fails is not None:
-                    for cid in step.flagged.get(name, {}).values():
-                        fails.setdefault(cid, err)
+                self._fail_step(step, name, "callback", err)
             if failed or self.step_end == "inline":
                 self._fire("end_step", step)
             else:
