@@ -89,9 +89,10 @@ class Driver:
 
     def answers(self, preps, completion) -> bytes:
         """One worker step file holding every request's two answers, as ``WorkerRuntime._write_handover``
-        writes them."""
-        import msgspec
+        writes them (``encode_step_file``)."""
         import numpy as np
+        from genartifact.engine.worker_ext import encode_step_file
+        from genartifact_logprobs.answer import worker_answer
         from genartifact_logprobs.worker import CAPTURE_KEY as LOGPROBS_KEY
         from genartifact_route_capture import CAPTURE_KEY as ROUTES_KEY
 
@@ -103,10 +104,9 @@ class Driver:
             ids = self.rng.integers(0, lay.num_experts, (lay.routers, rows, lay.top_k), dtype=np.uint8)
             out[f"moe_routes.{ea[ROUTES_KEY]}"] = {"found": {"shape": list(ids.shape), "dtype": "|u1",
                                                              "data": ids.tobytes(), "missing": None}, **where}
-            out[f"selected_logprobs.{ea[LOGPROBS_KEY]}"] = {"found": {
-                "positions": list(range(len(PROMPT), len(PROMPT) + c)), "token_ids": completion,
-                "logprobs": [float(-x) for x in self.rng.random(c)]}, **where}
-        return msgspec.msgpack.encode(out)
+            out[f"selected_logprobs.{ea[LOGPROBS_KEY]}"] = {"found": worker_answer(
+                range(len(PROMPT), len(PROMPT) + c), completion, -self.rng.random(c)), **where}
+        return encode_step_file(out)
 
     async def wave(self, size: int) -> list[dict]:
         from genartifact.types import Delta

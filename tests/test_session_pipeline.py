@@ -15,6 +15,7 @@ from genartifact.host import PluginHost
 from genartifact.session import ArtifactSession
 from genartifact.spec import parse_request
 from genartifact.types import Delta, ModelInfo
+from genartifact_logprobs.answer import worker_answer
 
 QWEN = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
         "decoder_sparse_step": 1, "mlp_only_layers": []}
@@ -581,10 +582,10 @@ class FakeLogprobWorker:
 
 @pytest.mark.parametrize(
     "reply, state",
-    [({"positions": [2, 3], "token_ids": [7, 8], "logprobs": [-0.5, float("-inf")]}, "ready"),
-     ({"positions": [3, 4], "token_ids": [7, 8], "logprobs": [-0.5, -1.0]}, "failed"),
-     ({"positions": [2, 3], "token_ids": [7, 9], "logprobs": [-0.5, -1.0]}, "failed"),
-     ({"positions": [2, 3], "token_ids": [7, 8], "logprobs": [-0.5, float("nan")]}, "failed"),
+    [(worker_answer([2, 3], [7, 8], [-0.5, float("-inf")]), "ready"),
+     (worker_answer([3, 4], [7, 8], [-0.5, -1.0]), "failed"),
+     (worker_answer([2, 3], [7, 9], [-0.5, -1.0]), "failed"),
+     (worker_answer([2, 3], [7, 8], [-0.5, float("nan")]), "failed"),
      (None, "failed")],
     ids=["aligned", "positions", "token-mismatch", "nan", "missing"],
 )
@@ -861,7 +862,7 @@ async def test_worker_logprobs_fetched_once_discard_after_fetch_is_a_no_op(host,
     s.admit(2, 2)
     s.sampling_overrides({})
     s.record(Delta([1, 2], [7, 8], None, finished=True))
-    eng = FakeLogprobWorker({"positions": [2, 3], "token_ids": [7, 8], "logprobs": [-0.5, -1.0]})
+    eng = FakeLogprobWorker(worker_answer([2, 3], [7, 8], [-0.5, -1.0]))
     assert (await s.finalize(eng))["state"] == "ready"
     await s.aclose(eng)
     assert eng.calls == ["selected_logprobs.fetch"]
@@ -887,9 +888,9 @@ async def test_worker_logprobs_fetched_once_discard_after_fetch_is_a_no_op(host,
     s.admit(2, 3)
     s.sampling_overrides({})
     p = s._producers[0]
-    with pytest.raises(CaptureError, match=r"expected 2\.\.4$"):
+    with pytest.raises(CaptureError, match=r"expected 3 at 2\.\.4$"):
         await p.collect(FinalContext(2, 3, FakeLogprobWorker(
-            {"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-0.5, -1.0, -2.0]}), [7, 8, 9]))
+            worker_answer([3, 4, 5], [7, 8, 9], [-0.5, -1.0, -2.0])), [7, 8, 9]))
 
 
 @pytest.mark.parametrize("values, section, match", [

@@ -370,6 +370,81 @@ async def test_requests_finishing_in_one_step_are_handed_over_in_one_file(tmp_pa
     ho.close()
 
 
+async def test_large_binary_answers_go_as_blobs_and_large_step_files_are_read_off_the_event_loop(tmp_path,
+                                                                                                  monkeypatch):
+    """A worker's binary values of at least STEP_BLOB_MIN bytes in an answer's maps go after the step file's header
+    (written from the worker's own buffer, read back into ``bytes`` with ``pread``); smaller ones, and those in
+    lists, stay in the header. A step file above STEP_INLINE_MAX is read by the handover's reader thread (the event
+    loop runs on meanwhile), a smaller one on the loop; both give the answers exactly as the worker made them."""
+    import threading
+
+    import genartifact.engine.worker_ext as wx
+    import numpy as np
+
+    reads = []
+    real = wx.read_step_file
+
+    def spy(fd, size):
+        reads.append((size, threading.current_thread() is threading.main_thread()))
+        return real(fd, size)
+
+    monkeypatch.setattr(wx, "read_step_file", spy)
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    big = np.arange(wx.STEP_INLINE_MAX, dtype=np.uint16).reshape(-1, 64)  # 512 KiB, 2-D, not bytes
+    entries = {"fake.big": {"found": {"data": memoryview(big), "small": b"x" * 100, "edge": bytes(wx.STEP_BLOB_MIN),
+                                      "nested": {"deep": bytearray(b"y" * 5000)}, "listed": [b"z" * 5000]},
+                            "dp_rank": 0},
+               "fake.other": {"found": [1]}}
+    assert len(wx.step_file_parts(entries)) == 4  # prefix + header, then data, edge, deep
+    _put_step(ho, "step.1.1", entries)
+    f = (await ho.take("fake", "big", wait_s=2.0))["found"]
+    assert reads[-1] == (len(wx.encode_step_file(entries)), False)  # the reader thread
+    assert type(f["data"]) is bytes and f["data"] == big.tobytes()
+    assert f["small"] == b"x" * 100 and f["edge"] == bytes(wx.STEP_BLOB_MIN)
+    assert f["nested"] == {"deep": b"y" * 5000} and f["listed"] == [b"z" * 5000]
+    assert await ho.take("fake", "other") == {"found": [1]}  # read with it, kept for its own take
+    _put_step(ho, "step.1.2", {"fake.small": {"found": [2]}})
+    assert await ho.take("fake", "small", wait_s=2.0) == {"found": [2]}
+    assert reads[-1][1] is True  # small: on the loop, no thread hop
+    assert ho.files() == [] and os.listdir(ho.dir) == ["token"]
+    ho.close()
+
+
+async def test_a_fetch_falling_back_to_rpc_waits_for_the_large_step_file_being_read(tmp_path, monkeypatch):
+    """The take's wait ends while the reader thread still reads the large step file holding its answer, and the
+    worker says it handed the rows over: the fetch waits for the read (Handover.settle) and gets the answer, not
+    a 'handed over' error; closing the handover with a large file claimed and not yet read closes it."""
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    real = wx.read_step_file
+
+    def slow(fd, size):
+        time.sleep(0.2)
+        return real(fd, size)
+
+    monkeypatch.setattr(wx, "read_step_file", slow)
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.0)
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    rows = bytes(range(256)) * (wx.STEP_INLINE_MAX // 128)
+
+    async def worker_call(method, *args):
+        return [{"absent": "handed_over", "dp_rank": 0}]
+
+    eng = types.SimpleNamespace(handover=ho, data_parallel_size=1, worker_call=worker_call)
+    _put_step(ho, "step.1.1", {"fake.c": {"found": {"data": rows}}})
+    assert (await wx.fetch_capture(eng, "fake", "c"))["data"] == rows
+    _put_step(ho, "step.1.2", {"fake.d": {"found": {"data": rows}}})
+    assert ho.read("fake", "d") is None  # claimed for the reader thread, not read yet
+    (_, fd, _), = ho._claimed
+    ho.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
 async def _fetch_no_wait(eng, cid):
     import genartifact.engine.worker_ext as wx
 
@@ -528,7 +603,8 @@ async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_fil
 @pytest.mark.fault("worker", "handover file that is not a worker's answer")
 @pytest.mark.parametrize("data", [b"", b"\xc1garbage", b"\x93\x01\x02\x03", b"\x81\xa1x\x01"],
                          ids=["empty", "not-msgpack", "array", "other-map"])
-async def test_unreadable_handover_file_fails_its_capture_clearly(tmp_path, monkeypatch, data):
+@pytest.mark.parametrize("prefixed", [False, True], ids=["raw", "prefixed"])
+async def test_unreadable_handover_file_fails_its_capture_clearly(tmp_path, monkeypatch, data, prefixed):
     """A handover step file that does not decode to a worker's step file (torn, or put there by another process)
     is deleted; a capture the worker says it handed over then fails with a CaptureError naming that file, never a
     decoder exception nor rows taken as found."""
@@ -536,6 +612,8 @@ async def test_unreadable_handover_file_fails_its_capture_clearly(tmp_path, monk
 
     ho = wx.Handover(str(tmp_path))
     ho.contents = {"fake"}
+    if prefixed:  # the step file's prefix, then a header that is not a step file's map
+        data = wx._STEP_PREFIX.pack(wx.STEP_MAGIC, wx.STEP_VERSION, len(data)) + data
     (Path(ho.dir) / "step.1.1").write_bytes(data)
     monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.01)
 
@@ -554,11 +632,10 @@ async def test_a_bad_entry_in_a_step_file_fails_only_its_capture(tmp_path):
     """A step file whose entry for one capture is not a worker's answer fails that capture, naming the file; the
     other captures in the same file are taken as written."""
     import genartifact.engine.worker_ext as wx
-    import msgspec
 
     ho = wx.Handover(str(tmp_path))
     ho.contents = {"fake"}
-    (Path(ho.dir) / "step.1.1").write_bytes(msgspec.msgpack.encode({"fake.bad": [1, 2], "fake.ok": {"found": [7]}}))
+    (Path(ho.dir) / "step.1.1").write_bytes(wx.encode_step_file({"fake.bad": [1, 2], "fake.ok": {"found": [7]}}))
     eng = types.SimpleNamespace(handover=ho, data_parallel_size=1)
     with pytest.raises(CaptureError, match="handover file step.1.1: the entry of fake.bad"):
         await wx.fetch_capture(eng, "fake", "bad")
@@ -577,7 +654,6 @@ async def test_waiting_takes_share_one_poller_and_get_their_answer_within_a_peri
     import time
 
     import genartifact.engine.worker_ext as wx
-    import msgspec
 
     if watch == "polled":
         monkeypatch.setattr(wx, "_watch_renames", lambda path: None)
@@ -588,7 +664,7 @@ async def test_waiting_takes_share_one_poller_and_get_their_answer_within_a_peri
     async def put_later(delay, name, entries):
         await asyncio.sleep(delay)
         path = Path(ho.dir) / name
-        path.with_suffix(".tmp").write_bytes(msgspec.msgpack.encode(entries))
+        path.with_suffix(".tmp").write_bytes(wx.encode_step_file(entries))
         os.replace(path.with_suffix(".tmp"), path)
         return time.monotonic()
 
@@ -619,7 +695,7 @@ async def test_waiting_takes_share_one_poller_and_get_their_answer_within_a_peri
     take.cancel()
     with pytest.raises(asyncio.CancelledError):
         await take
-    (Path(ho.dir) / "step.1.3").write_bytes(msgspec.msgpack.encode({"fake.early": {"found": [3]}}))
+    (Path(ho.dir) / "step.1.3").write_bytes(wx.encode_step_file({"fake.early": {"found": [3]}}))
     assert await ho.take("fake", "early", wait_s=1.0) == {"found": [3]}
     ho.close()
 
@@ -630,7 +706,6 @@ async def test_a_take_cancelled_after_its_answer_was_found_puts_it_back(tmp_path
     import asyncio
 
     import genartifact.engine.worker_ext as wx
-    import msgspec
 
     victim = []
 
@@ -650,7 +725,7 @@ async def test_a_take_cancelled_after_its_answer_was_found_puts_it_back(tmp_path
     take = asyncio.ensure_future(ho.take("fake", "late", wait_s=2.0))
     await asyncio.sleep(0.002)
     victim.append(take)
-    (Path(ho.dir) / "step.1.1").write_bytes(msgspec.msgpack.encode({"fake.late": {"found": [3]}}))
+    (Path(ho.dir) / "step.1.1").write_bytes(wx.encode_step_file({"fake.late": {"found": [3]}}))
     with pytest.raises(asyncio.CancelledError):
         await take
     assert ho.taken == 0 and ho.files() == ["fake.late"]
@@ -684,7 +759,6 @@ async def test_a_watched_handover_folder_is_not_scanned_while_no_step_file_comes
     import time
 
     import genartifact.engine.worker_ext as wx
-    import msgspec
 
     if not sys.platform.startswith("linux"):
         pytest.skip("inotify is Linux's")
@@ -694,7 +768,7 @@ async def test_a_watched_handover_folder_is_not_scanned_while_no_step_file_comes
     take = asyncio.ensure_future(ho.take("fake", "c", wait_s=5.0))
     await asyncio.sleep(0.15)
     path = Path(ho.dir) / "step.1.1"
-    path.with_suffix(".tmp").write_bytes(msgspec.msgpack.encode({"fake.c": {"found": [1]}}))
+    path.with_suffix(".tmp").write_bytes(wx.encode_step_file({"fake.c": {"found": [1]}}))
     os.replace(path.with_suffix(".tmp"), path)
     t0 = time.monotonic()
     assert await take == {"found": [1]}
@@ -707,14 +781,17 @@ async def test_a_watched_handover_folder_is_not_scanned_while_no_step_file_comes
 
 
 def _put_step(ho, name, entries):
-    import msgspec
+    import genartifact.engine.worker_ext as wx
 
     path = Path(ho.dir) / name
-    path.with_suffix(".tmp").write_bytes(msgspec.msgpack.encode(entries))
+    path.with_suffix(".tmp").write_bytes(wx.encode_step_file(entries))
     os.replace(path.with_suffix(".tmp"), path)
 
 
-@pytest.mark.parametrize("entry", ["fifo", "directory", "symlink to /dev/zero", "msgpack nested too deep"])
+@pytest.mark.parametrize("entry", ["fifo", "directory", "symlink to /dev/zero", "msgpack nested too deep",
+                                   "plain msgpack", "other format version", "blob beyond the end",
+                                   "bytes after the last blob", "unknown extension", "header beyond the end",
+                                   "large and torn"])
 @pytest.mark.fault("worker", "hostile entry named like a handover step file")
 async def test_a_hostile_step_entry_never_blocks_or_breaks_the_handover(tmp_path, entry):
     """An entry named ``step.*`` that no worker wrote — a FIFO (opening it for reading would block the event loop
@@ -725,6 +802,10 @@ async def test_a_hostile_step_entry_never_blocks_or_breaks_the_handover(tmp_path
     import time
 
     import genartifact.engine.worker_ext as wx
+    import msgspec
+
+    def _prefixed(header: bytes) -> bytes:
+        return wx._STEP_PREFIX.pack(wx.STEP_MAGIC, wx.STEP_VERSION, len(header)) + header
 
     ho = wx.Handover(str(tmp_path))
     ho.contents = {"fake"}
@@ -735,8 +816,23 @@ async def test_a_hostile_step_entry_never_blocks_or_breaks_the_handover(tmp_path
         (bad / "inside").mkdir(parents=True)
     elif entry == "symlink to /dev/zero":
         bad.symlink_to("/dev/zero")
-    else:
-        bad.write_bytes(b"\x91" * 200_000 + b"\xc0")  # [[[[...nil...]]]]: 200,000 nested arrays
+    elif entry == "msgpack nested too deep":  # [[[[...nil...]]]]: 200,000 nested arrays
+        bad.write_bytes(_prefixed(b"\x91" * 200_000 + b"\xc0"))
+    elif entry == "plain msgpack":  # a step file of the format before the prefix
+        bad.write_bytes(msgspec.msgpack.encode({"fake.x": {"found": [1]}}))
+    elif entry == "other format version":
+        good = wx.encode_step_file({"fake.x": {"found": [1]}})
+        bad.write_bytes(good[:4] + bytes([wx.STEP_VERSION + 1]) + good[5:])
+    elif entry == "blob beyond the end":
+        bad.write_bytes(wx.encode_step_file({"fake.x": {"found": {"data": bytes(8192)}}})[:-1])
+    elif entry == "bytes after the last blob":
+        bad.write_bytes(wx.encode_step_file({"fake.x": {"found": {"data": bytes(8192)}}}) + b"x")
+    elif entry == "unknown extension":
+        bad.write_bytes(_prefixed(msgspec.msgpack.encode({"fake.x": msgspec.msgpack.Ext(7, b"12345678")})))
+    elif entry == "header beyond the end":
+        bad.write_bytes(_prefixed(msgspec.msgpack.encode({"fake.x": {"found": [1]}}))[:-2])
+    else:  # read by the reader thread (above STEP_INLINE_MAX), and it ends early
+        bad.write_bytes(wx.encode_step_file({"fake.x": {"found": {"data": bytes(wx.STEP_INLINE_MAX + 1)}}})[:-100])
     _put_step(ho, "step.1.1", {"fake.a": {"found": [1]}})
     t0 = time.monotonic()
     assert await asyncio.wait_for(ho.take("fake", "a", wait_s=1.0), 5) == {"found": [1]}
@@ -745,7 +841,9 @@ async def test_a_hostile_step_entry_never_blocks_or_breaks_the_handover(tmp_path
     _put_step(ho, "step.1.2", {"fake.b": {"found": [2]}})
     assert await asyncio.wait_for(take, 5) == {"found": [2]}
     assert time.monotonic() - t0 < 2.0
-    assert os.listdir(ho.dir) == ["token"] and any("step.9.9" in u for u in ho.unreadable)
+    await ho.settle()
+    assert os.listdir(ho.dir) == ["token"] and any("step.9.9" in u for u in ho.unreadable), ho.unreadable
+    assert "fake.x" not in ho._ready
     ho.close()
 
 

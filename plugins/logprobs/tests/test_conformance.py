@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from genartifact.testing import FakeEngine
 from genartifact.testing.conformance import ContentConformance
+from genartifact_logprobs.answer import worker_answer
 
 
 def values(completion):
@@ -19,8 +20,7 @@ class TestWorkerSourceConformance(ContentConformance):
     def engine(self, prompt, completion):
         def fetch(capture_id):
             p = len(prompt)
-            return {"positions": list(range(p, p + len(completion))), "token_ids": list(completion),
-                    "logprobs": values(completion)}
+            return worker_answer(list(range(p, p + len(completion))), list(completion), values(completion))
 
         return FakeEngine({"selected_logprobs.fetch": fetch, "selected_logprobs.discard": lambda cid: True})
 

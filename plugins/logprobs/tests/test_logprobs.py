@@ -10,6 +10,7 @@ import pytest
 from genartifact.errors import AdmissionError, CaptureError
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 from genartifact_logprobs import SelectedLogprobs, genartifact_content_producer
+from genartifact_logprobs.answer import worker_answer
 
 
 @dataclass
@@ -230,7 +231,8 @@ def worker_sourced(answer):
         return [{"found": answer, "dp_rank": 0}]
 
     engine = types.SimpleNamespace(handover=None, data_parallel_size=1, worker_call=worker_call)
-    asyncio.run(p.collect(FinalContext(3, len(answer["token_ids"]), engine, tuple(answer["token_ids"]))))
+    tokens = np.frombuffer(answer["token_ids"], "<u4").tolist()
+    asyncio.run(p.collect(FinalContext(3, len(tokens), engine, tuple(tokens))))
     return p
 
 
@@ -239,13 +241,13 @@ def worker_sourced(answer):
 def test_worker_sourced_values_checked_at_collect(bad):
     """The worker's values are checked once at collect: finite or -inf pass; NaN or +inf fails the capture naming
     the value and its token."""
-    ok = worker_sourced({"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-1.5, float("-inf"), -0.25]})
+    ok = worker_sourced(worker_answer([3, 4, 5], [7, 8, 9], [-1.5, float("-inf"), -0.25]))
     section, parts = ok.finalize(FinalContext(3, 3))
     assert parts[0].array.tolist() == [-1.5, float("-inf"), -0.25]
     with pytest.raises(CaptureError, match=f"logprob {bad} for token 8; allowed finite or -inf"):
-        worker_sourced({"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-1.0, bad, -2.0]})
-    with pytest.raises(CaptureError, match="2 logprobs for 3 completion tokens"):
-        worker_sourced({"positions": [3, 4, 5], "token_ids": [7, 8, 9], "logprobs": [-1.0, -2.0]})
+        worker_sourced(worker_answer([3, 4, 5], [7, 8, 9], [-1.0, bad, -2.0]))
+    with pytest.raises(CaptureError, match=r"holds \[3, 3, 2\] positions"):
+        worker_sourced({**worker_answer([3, 4, 5], [7, 8, 9], [-1.0, -2.0, 0.0]), "logprobs": bytes(8)})
 
 
 def test_a_fault_in_the_sampler_wrapper_fails_the_step_not_the_sampler():

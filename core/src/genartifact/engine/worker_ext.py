@@ -42,6 +42,7 @@ import collections
 import functools
 import os
 import re
+import struct
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -354,8 +355,8 @@ class WorkerRuntime:
 
     def _write_handover(self, handed: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
         """Write one step's finished requests' fetch answers (``(content, capture id, answer)``) as one file,
-        ``<handover dir>/step.<worker pid>.<n>``: a msgpack map ``"<content>.<capture id>" -> answer``, written to a
-        temporary name and renamed, so the driver never reads a partial file (:meth:`Handover.read`). One file per
+        ``<handover dir>/step.<worker pid>.<n>`` (:func:`step_file_parts`: a msgpack map ``"<content>.<capture id>" ->
+        answer``, large binary values after it), written to a temporary name and renamed, so the driver never reads a partial file (:meth:`Handover.read`). One file per
         step, not per request and content: a wave of requests finishing together costs the worker (this is on the
         engine's critical path, before the next forward) and the driver one file each. When the write fails
         (``/dev/shm`` full, folder gone) every answer is kept in :attr:`unwritten` for the driver's RPC fetch:
@@ -363,13 +364,13 @@ class WorkerRuntime:
         self._handover_files += 1
         path = os.path.join(str(self.handover_dir), f"step.{os.getpid()}.{self._handover_files}")
         try:
-            import msgspec
-
-            data = msgspec.msgpack.encode({f"{name}.{cid}": env for name, cid, env in handed})
+            parts = step_file_parts({f"{name}.{cid}": env for name, cid, env in handed})
             # a new file of ours only: never through a link, never over an entry someone else put there
             fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            try:
+                _write_all(fd, parts)  # blobs straight from the captures' buffers
+            finally:
+                os.close(fd)
             os.replace(path + ".tmp", path)
         except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
             _unlink(path + ".tmp")
@@ -759,6 +760,118 @@ HANDOVER_WAIT_S = 5.0  # how long fetch_capture waits for a handover file before
 HANDOVER_POLL_S = 0.0005
 HANDOVER_POLL_MAX_S = 0.02
 
+#: A handover step file (written by :meth:`WorkerRuntime._write_handover`, read by :class:`Handover`):
+#: ``STEP_MAGIC``, the format version (1 byte), 3 zero bytes and the header's length (u64, little-endian); the
+#: header, a msgpack map ``"<content>.<capture id>"`` -> fetch answer; then the blob region. Each bytes-like value
+#: of at least :data:`STEP_BLOB_MIN` bytes found in an answer's maps (not in lists) stands in the header as msgpack
+#: extension :data:`STEP_BLOB_EXT` holding its length (u64, little-endian), and its bytes follow in the blob region,
+#: in the order of the header, back to back, up to the end of the file. So neither side copies a blob through
+#: msgpack: the worker writes it from its own buffer, the driver reads it into its own ``bytes`` with ``pread``
+#: (which releases the GIL), and a large file is read off the driver's event loop (:data:`STEP_INLINE_MAX`).
+STEP_MAGIC = b"GAHO"
+STEP_VERSION = 1
+STEP_BLOB_EXT = 1
+STEP_BLOB_MIN = 4096
+#: step files up to this many bytes are read on the driver's event loop; larger ones by the handover's reader thread
+#: (a 32k-token request of a 48-router top-8 model hands over ~12 MB: 25-30 ms of reading and decoding that
+#: stalled every stream of the server when done on the loop; docs/benchmarks.md, issue 13 fourteenth pass)
+STEP_INLINE_MAX = 256 << 10
+_STEP_PREFIX = struct.Struct("<4sB3xQ")
+_BLOB_LEN = struct.Struct("<Q")
+_LIFT_DEPTH = 32
+
+
+def step_file_parts(entries: Mapping[str, Any]) -> list[Any]:
+    """The buffers of a step file holding ``entries`` (``"<content>.<capture id>"`` -> fetch answer), in order:
+    prefix and header as one ``bytes``, then each blob as a view of the answer's own buffer (no copy). A blob is a
+    C-contiguous ``bytes``/``bytearray``/``memoryview`` of at least :data:`STEP_BLOB_MIN` bytes held in a map of an
+    answer (maps nested up to 32 deep; values inside lists stay in the header). Raises what ``msgspec`` raises
+    for a value that is not msgpack-native (``TypeError``)."""
+    import msgspec
+
+    blobs: list[memoryview] = []
+
+    def lift(v: Any, depth: int) -> Any:
+        if isinstance(v, dict) and depth < _LIFT_DEPTH:
+            return {k: lift(x, depth + 1) for k, x in v.items()}
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            mv = memoryview(v)
+            if mv.nbytes >= STEP_BLOB_MIN and mv.c_contiguous:
+                blobs.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+                return msgspec.msgpack.Ext(STEP_BLOB_EXT, _BLOB_LEN.pack(mv.nbytes))
+        return v
+
+    header = msgspec.msgpack.encode({k: lift(v, 0) for k, v in entries.items()})
+    return [_STEP_PREFIX.pack(STEP_MAGIC, STEP_VERSION, len(header)) + header, *blobs]
+
+
+def encode_step_file(entries: Mapping[str, Any]) -> bytes:
+    """The bytes of a step file holding ``entries`` (see :func:`step_file_parts`; tests and benchmarks write
+    step files as a worker does with this)."""
+    return b"".join(step_file_parts(entries))
+
+
+def _write_all(fd: int, parts: Sequence[Any]) -> None:
+    for p in parts:
+        mv = memoryview(p)
+        while mv.nbytes:
+            mv = mv[os.write(fd, mv):]
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """``n`` bytes of ``fd`` from ``offset`` (``os.pread``, repeated for a short read); ``ValueError`` when the file
+    ends first."""
+    b = os.pread(fd, n, offset)
+    if len(b) == n:
+        return b
+    parts = [b]
+    got = len(b)
+    while got < n:
+        more = os.pread(fd, n - got, offset + got)
+        if not more:
+            raise ValueError(f"file ends {n - got} bytes early (at byte {offset + got})")
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def read_step_file(fd: int, size: int) -> Any:
+    """Decode the step file open at ``fd`` (``size`` bytes, see :data:`STEP_MAGIC`): the header's entries with
+    each blob read into its own ``bytes``. Raises ``ValueError`` for a file that is not a step file of this format
+    (magic, version, lengths beyond the file, an unknown extension, bytes left after the last blob),
+    ``msgspec.DecodeError`` for a header that is not msgpack, ``RecursionError`` for one nested too deep, ``OSError``
+    when reading fails."""
+    import msgspec
+
+    if size < _STEP_PREFIX.size:
+        raise ValueError(f"{size} bytes: shorter than a step file's {_STEP_PREFIX.size}-byte prefix")
+    magic, version, hlen = _STEP_PREFIX.unpack(_pread_exact(fd, _STEP_PREFIX.size, 0))
+    if magic != STEP_MAGIC:
+        raise ValueError(f"not a step file (starts {magic!r}, expected {STEP_MAGIC!r})")
+    if version != STEP_VERSION:
+        raise ValueError(f"step file format {version}; this driver reads format {STEP_VERSION}")
+    if hlen > size - _STEP_PREFIX.size:
+        raise ValueError(f"header of {hlen} bytes beyond the file's {size}")
+    header = _pread_exact(fd, hlen, _STEP_PREFIX.size)
+    pos = _STEP_PREFIX.size + hlen
+
+    def blob(code: int, data: memoryview) -> bytes:
+        nonlocal pos
+        if code != STEP_BLOB_EXT or len(data) != _BLOB_LEN.size:
+            raise ValueError(f"unknown msgpack extension {code} ({len(data)} bytes)")
+        (n,) = _BLOB_LEN.unpack(data)
+        if n > size - pos:
+            raise ValueError(f"blob of {n} bytes at byte {pos} beyond the file's {size}")
+        b = _pread_exact(fd, n, pos)
+        pos += n
+        return b
+
+    batch = msgspec.msgpack.Decoder(ext_hook=blob).decode(header)
+    if pos != size:
+        raise ValueError(f"{size - pos} bytes after the last blob")
+    return batch
+
+
 
 class Handover:
     """Driver side of the out-of-band handover of finished requests' worker rows (one per engine).
@@ -814,7 +927,7 @@ class Handover:
         self.taken = 0
         #: "<content>.<capture id>" -> answer, read from a step file and not yet taken
         self._ready: dict[str, Mapping[str, Any]] = {}
-        self.evicted = 0  # answers forgotten untaken because more than READY_MAX were waiting (see _take_file)
+        self.evicted = 0  # answers forgotten untaken because more than READY_MAX were waiting (see _merge)
         #: keys dropped before their answer was read (discarded when it comes), oldest first, bounded
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: why the latest unreadable step files could not be read (named by a fetch that finds no answer)
@@ -832,6 +945,11 @@ class Handover:
         self._notified = False
         self._wake: Any = None
         self.scans = 0  # folder scans by the poller (tests, benchmarks)
+        #: large step files claimed (open, unlinked) and not yet read: (name, descriptor, size); the task reading
+        #: them in the reader thread (one at a time), and that thread's pool (made at the first large file)
+        self._claimed: list[tuple[str, int, int]] = []
+        self._drainer: Any = None
+        self._pool: Any = None
 
     def config(self) -> dict[str, str]:
         """The ``handover`` entry of the worker ``init`` payload."""
@@ -862,12 +980,14 @@ class Handover:
             return None
         return f"{content}.{capture_id}"
 
-    def _scan(self) -> None:
-        """Read (then delete) every step file present into the answers kept for :meth:`read`. Never raises and
-        never blocks: an entry that is not a worker's step file — torn, not msgpack (or nested beyond the decoder's
-        limit), not a regular file (a FIFO, a directory, a symlink: opened with ``O_NONBLOCK | O_NOFOLLOW`` and
-        checked), or unreadable — is removed and named in :attr:`unreadable`; an entry of a step file that is not
-        a worker's answer fails its capture with an error naming the file."""
+    def _scan(self, inline_all: bool = False) -> None:
+        """Claim every step file present (opened, then unlinked: no other scan reads it again) and read it into
+        the answers kept for :meth:`read`: a file of up to :data:`STEP_INLINE_MAX` bytes here, a larger one by the
+        reader thread (:meth:`_drain`, started on the running event loop; here when there is none, or with
+        ``inline_all``). Never raises and never blocks on an entry: one that is not a worker's step file — not a
+        regular file (a FIFO, a directory, a symlink: opened with ``O_NONBLOCK | O_NOFOLLOW`` and checked), torn,
+        not of this format, or unreadable — is removed and named in :attr:`unreadable`; an entry of a step file
+        that is not a worker's answer fails its capture with an error naming the file."""
         try:
             names = os.listdir(self.dir)
         except OSError:
@@ -876,35 +996,101 @@ class Handover:
             if not n.startswith("step.") or n.endswith(".tmp"):
                 continue
             try:
-                self._take_file(n)
+                claimed = self._claim(n)
             except Exception as e:  # noqa: BLE001 - whatever is in the folder, a scan goes on (and the loop too)
                 self.unreadable.append(f"handover file {n} unreadable: {type(e).__name__}: {_exc_text(e)}")
                 _remove_entry(os.path.join(self.dir, n))
+                continue
+            if claimed is None:
+                continue
+            fd, size = claimed
+            if size <= STEP_INLINE_MAX or inline_all:
+                self._merge(n, _read_claimed(n, fd, size))
+            else:
+                self._claimed.append((n, fd, size))
+        if self._claimed:
+            self._schedule_drain(inline_all)
 
-    def _take_file(self, n: str) -> None:
-        """Read, delete and decode the step file ``n`` (see :meth:`_scan`); raises for one that is not a worker's."""
+    def _claim(self, n: str) -> tuple[int, int] | None:
+        """Open the step file ``n`` and unlink it: ``(descriptor, size in bytes)``, or None when another scan took
+        it first. Raises for an entry that is not a regular file (nothing is left open)."""
         import stat
-
-        import msgspec
 
         path = os.path.join(self.dir, n)
         try:  # a worker renames a regular file into place: anything else is refused without blocking on it
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            return  # read (and deleted) by another scan meanwhile
+            return None  # read (and deleted) by another scan meanwhile
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read(st.st_size + 1)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         _unlink(path)
-        try:
-            batch = msgspec.msgpack.decode(data)
-        except (msgspec.DecodeError, RecursionError) as e:  # not what a worker writes (renamed into place whole)
-            self.unreadable.append(f"handover file {n} unreadable ({len(data)} bytes): {type(e).__name__}: {e}")
+        return fd, st.st_size
+
+    def _schedule_drain(self, inline: bool = False) -> None:
+        """Have the claimed large step files read: by the reader thread from a task on the running event loop
+        (one at a time), else (no running loop, or ``inline``) here."""
+        import asyncio
+
+        loop = None
+        if not inline:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+        if loop is None:
+            claimed, self._claimed = self._claimed, []
+            for n, fd, size in claimed:
+                self._merge(n, _read_claimed(n, fd, size))
+        elif self._drainer is None or self._drainer.done():
+            self._drainer = loop.create_task(self._drain(loop))
+
+    async def _drain(self, loop: Any) -> None:
+        """Read the claimed large step files in the reader thread (``pread`` releases the GIL: the loop runs on
+        meanwhile), merge their answers here, then hand each take waiting on ``loop`` its answer."""
+        import asyncio
+        import concurrent.futures
+
+        while self._claimed:
+            claimed, self._claimed = self._claimed, []
+            if self._closed:
+                for _, fd, _ in claimed:
+                    os.close(fd)
+                return
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="genartifact-handover")
+            cf = self._pool.submit(_read_all_claimed, claimed)
+            try:
+                results = await asyncio.wrap_future(cf, loop=loop)
+            except asyncio.CancelledError:
+                if cf.cancelled():  # never started: its files are still open
+                    for _, fd, _ in claimed:
+                        os.close(fd)
+                raise
+            for n, res in results:
+                self._merge(n, res)
+            self._serve(loop)
+
+    async def settle(self) -> None:
+        """Wait until the large step files claimed so far are read (their answers are then in :meth:`read`'s
+        reach). A cancelled caller does not cancel the reading."""
+        import asyncio
+
+        while self._drainer is not None and not self._drainer.done():
+            await asyncio.shield(self._drainer)
+
+    def _merge(self, n: str, res: tuple[bool, Any]) -> None:
+        """Keep the answers of step file ``n`` as :func:`_read_claimed` returned it (``(True, entries)`` or
+        ``(False, why it could not be read)``) for :meth:`read`."""
+        ok, batch = res
+        if not ok:
+            self.unreadable.append(batch)
+            return
+        if self._closed:
             return
         if not isinstance(batch, dict):
             self.unreadable.append(f"handover file {n} is not a worker's step file")
@@ -997,7 +1183,6 @@ class Handover:
         """Serve the takes waiting on ``loop`` (see :meth:`take`) until none is left: after each rename event
         (inotify, when the watch is registered with ``loop``), else every period."""
         import asyncio
-        import time
 
         pause, seen = HANDOVER_POLL_S, self._progress
         while self._waits_on(loop):
@@ -1026,22 +1211,28 @@ class Handover:
                     else:
                         del self._waiting[k]
                 return
-            for k in list(self._waiting):
-                waiters = [f for f in self._waiting[k] if not f.done()]
-                for f in [f for f in waiters if f.get_loop() is loop]:
-                    if k not in self._ready:
-                        break
-                    waiters.remove(f)
-                    f.set_result(self._ready.pop(k))
-                    self.taken += 1
-                    self._progress = time.monotonic()
-                if waiters:
-                    self._waiting[k] = waiters
-                else:
-                    del self._waiting[k]
+            self._serve(loop)
             # polled: look again soon after progress (a new wait, an answer found), else back off
             pause = HANDOVER_POLL_S if self._progress != seen else min(pause * 2, HANDOVER_POLL_MAX_S)
             seen = self._progress
+
+    def _serve(self, loop: Any) -> None:
+        """Hand each take waiting on ``loop`` whose answer has been read that answer."""
+        import time
+
+        for k in list(self._waiting):
+            waiters = [f for f in self._waiting[k] if not f.done()]
+            for f in [f for f in waiters if f.get_loop() is loop]:
+                if k not in self._ready:
+                    break
+                waiters.remove(f)
+                f.set_result(self._ready.pop(k))
+                self.taken += 1
+                self._progress = time.monotonic()
+            if waiters:
+                self._waiting[k] = waiters
+            else:
+                del self._waiting[k]
 
     def _on_notify(self) -> None:
         """The inotify descriptor is readable: drain its events (their content does not matter: a scan reads
@@ -1089,7 +1280,7 @@ class Handover:
     def files(self) -> list[str]:
         """Keys (``"<content>.<capture id>"``) of the answers handed over and not yet taken or dropped, after
         reading every step file present (tests, leak checks)."""
-        self._scan()
+        self._scan(inline_all=True)
         return sorted(self._ready)
 
     def close(self) -> None:
@@ -1098,6 +1289,11 @@ class Handover:
         do not wait. Each step is done even when an earlier one fails."""
         self._closed = True
         try:
+            claimed, self._claimed = self._claimed, []
+            for _, fd, _ in claimed:
+                os.close(fd)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)  # a read under way finishes, closing its files; its answers go
             _rmtree(self.dir)
             self._ready.clear()
             self._stop_watching()
@@ -1140,6 +1336,22 @@ def _watch_renames(path: str) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _read_claimed(n: str, fd: int, size: int) -> tuple[bool, Any]:
+    """Read the claimed step file ``n`` (open at ``fd``, ``size`` bytes; closed here): ``(True, entries)``, or
+    ``(False, why it is unreadable)``. Any thread; never raises."""
+    try:
+        return True, read_step_file(fd, size)
+    except Exception as e:  # noqa: BLE001 - not msgpack, not this format, torn, unreadable: never out of a scan
+        return False, f"handover file {n} unreadable ({size} bytes): {type(e).__name__}: {_exc_text(e)}"
+    finally:
+        os.close(fd)
+
+
+def _read_all_claimed(claimed: Sequence[tuple[str, int, int]]) -> list[tuple[str, tuple[bool, Any]]]:
+    """:func:`_read_claimed` of each claimed file, in order (the handover's reader thread)."""
+    return [(n, _read_claimed(n, fd, size)) for n, fd, size in claimed]
 
 
 def _remove_entry(path: str) -> None:
@@ -1244,6 +1456,7 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
         answers = await engine.worker_call(f"{content}.fetch", capture_id, *args)
         if isinstance(ho, Handover) and any(isinstance(a, Mapping) and a.get("absent") == "handed_over"
                                             for a in answers):
+            await ho.settle()  # a large step file being read in the reader thread
             env = ho.read(content, capture_id)  # written between the wait's deadline and the RPC
             if env is None and ho.unreadable:  # its step file could not be read
                 raise CaptureError(f"{content}: capture {capture_id} was handed over, but no answer for it was read; "

@@ -23,6 +23,8 @@ from genartifact.errors import AdmissionError, ArtifactFormatError, CaptureError
 from genartifact.format import TensorPart
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 
+from genartifact_logprobs.answer import read_worker_answer
+
 hookimpl = pluggy.HookimplMarker("genartifact")
 NAME = "selected_logprobs"
 __version__ = "0.1.0"
@@ -102,21 +104,18 @@ class SelectedLogprobs:
             if c == 0:  # no sample was ever taken, so no worker saw one
                 return
             raise
-        if r["positions"] != list(range(p, p + c)):
-            raise CaptureError(f"selected_logprobs: worker samples cover positions {r['positions'][:3]}...; "
-                               f"expected {p}..{p + c - 1}")
-        if list(final.completion_token_ids) != list(r["token_ids"]):
+        positions, token_ids, arr = read_worker_answer(r)
+        if positions.size != c or not np.array_equal(positions, np.arange(p, p + c)):
+            raise CaptureError(f"selected_logprobs: worker sent {positions.size} samples at positions "
+                               f"{positions[:3].tolist()}...; expected {c} at {p}..{p + c - 1}")
+        if not np.array_equal(token_ids, np.asarray(final.completion_token_ids, dtype=np.int64)):
             raise CaptureError("selected_logprobs: worker-sampled token ids differ from the completion tokens")
-        values = array.array("f", r["logprobs"])
-        if len(values) != c:
-            raise CaptureError(f"selected_logprobs: worker sent {len(values)} logprobs for {c} completion tokens")
-        arr = np.frombuffer(values, dtype=np.float32)
         bad = np.flatnonzero(np.isnan(arr) | (arr == np.inf))  # one pass, not a Python check per value
         if bad.size:
             i = int(bad[0])
-            raise CaptureError(f"selected_logprobs: logprob {float(arr[i])} for token {r['token_ids'][i]}; "
+            raise CaptureError(f"selected_logprobs: logprob {float(arr[i])} for token {int(token_ids[i])}; "
                                "allowed finite or -inf")
-        self._values = values
+        self._values = array.array("f", arr.astype("=f4", copy=False).tobytes())
 
     async def discard(self, engine: Any) -> None:
         """Drop worker-side samples not fetched (request failed or was cancelled)."""

@@ -23,6 +23,8 @@ from typing import Any
 
 from genartifact.engine.worker_ext import WorkerCapture, WorkerStep
 
+from genartifact_logprobs.answer import worker_answer
+
 NAME = "selected_logprobs"
 CAPTURE_KEY = "genartifact_logprobs_id"
 
@@ -71,7 +73,8 @@ _ARANGE: dict[int, Any] = {}
 
 
 class LogprobCapture(WorkerCapture):
-    """``pop(cid, [])`` -> ``{"positions": [...], "token_ids": [...], "logprobs": [...]}`` sorted by position."""
+    """``pop(cid, [])`` -> the request's samples by position, as :func:`~genartifact_logprobs.answer.worker_answer`
+    builds them (binary arrays)."""
 
     name = NAME
     capture_key = CAPTURE_KEY
@@ -175,7 +178,7 @@ class LogprobCapture(WorkerCapture):
         if entries is None:
             return None
         pos = sorted(entries)
-        return {"positions": pos, "token_ids": [entries[p][0] for p in pos], "logprobs": [entries[p][1] for p in pos]}
+        return worker_answer(pos, [entries[p][0] for p in pos], [entries[p][1] for p in pos])
 
     def handover(self, capture_id: str, extra_args: Any) -> Any | None:
         """Samples of a finished request for out-of-band handover (the same payload as :meth:`pop`)."""
