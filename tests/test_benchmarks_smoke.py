@@ -36,6 +36,7 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_groups.py": (False, r"^RATIO stored bytes with / without dedup: \d"),
     "bench_local_write.py": (False, r"^RATIO local write CPU per object, named / unnamed: median-of-rounds \d"),
     "bench_load.py": (False, r"^RATIO loaders / bare s3fs .*median-of-rounds \d"),
+    "bench_loop_stall.py": (True, r"^RATIO longest loop stall, reader thread / on the loop: median-of-rounds \d"),
     "bench_per_step_deltas.py": (True, r"^RATIO per-step / final-only tokens/s: median-of-rounds \d"),
     "bench_replicas.py": (True, r"^RATIO rows/s x2 / x1: \d"),
     "bench_route_recorder.py": (False, r"^RATIO route recording per step, per-layer copy / stash .*median-of-rounds \d"),
