@@ -1,6 +1,7 @@
 """A fault in code a content plants inside vLLM's own calls (the router capture callback, run inside the
 forward) is that step's requests' fault, not the engine's: on the real vLLM-CPU engine, a router callback that
-raises once fails the artifacts of the requests flagged in that step (``capture_invalid``, generation complete),
+raises once fails the artifacts of the requests flagged in that step (``internal_error``: a plugin fault; generation
+complete),
 the engine runs on, and the next requests' artifacts are ready and exact (``WorkerStep.guard``)."""
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ async def test_a_router_callback_fault_fails_that_steps_requests_and_the_engine_
     res = await asyncio.wait_for(asyncio.gather(*(eng.run(i, sampling, spec(), settings(tmp_path)) for i in ids)), 120)
     assert all(len(r.completion_token_ids) == 8 for r in res)  # generation itself is untouched
     states = [(r.receipt["state"], r.receipt.get("error_code")) for r in res]
-    assert ("failed", "capture_invalid") in states, states  # the requests of the broken step
+    assert ("failed", "internal_error") in states, states  # the requests of the broken step: a plugin's fault
+    assert {s for s in states if s[0] != "ready"} == {("failed", "internal_error")}, states
     after = await asyncio.wait_for(eng.run(ids[0], sampling, spec(), settings(tmp_path)), 60)
     art = read(tmp_path, after.receipt)  # the engine ran on; a later request's artifact is ready and whole
     assert art.routes().shape[0] == len(ids[0]) + 8 - 1

@@ -14,7 +14,7 @@ from types import SimpleNamespace as NS
 import pluggy
 import pytest
 from genartifact.engine.worker_ext import WorkerCapture, WorkerRuntime, _dispatch, fetch_capture, register_vllm_plugin
-from genartifact.errors import CaptureError
+from genartifact.errors import CaptureError, PluginFault
 from genartifact.host import PluginHost
 
 hookimpl = pluggy.HookimplMarker("genartifact")
@@ -47,6 +47,8 @@ class Recorder(WorkerCapture):
             self.rows.setdefault(cid, []).append(step.scheduler_output.num_scheduled_tokens[rid])
 
     def pop(self, cid, args):
+        if self.fail_in == "pop":
+            raise ValueError("pop broke")
         return self.rows.pop(cid, None)
 
     def drop(self, cid):
@@ -142,6 +144,31 @@ def test_a_failing_step_hook_fails_its_requests_not_the_engine():
     w.model_runner.sample_tokens(None)  # the engine step itself completes
     ans = rt.call("fake.fetch", ["cid-b"])
     assert ans["absent"] == "failed" and "KeyError" in ans["error"] and "begin_step" in ans["error"]
+
+
+@pytest.mark.parametrize("fail_in, hook, handing", [("begin", "begin_step", False), ("pop", "pop", False),
+                                                   ("handover", "handover", True)])
+async def test_a_worker_plugin_fault_is_an_internal_error_of_its_request(tmp_path, fail_in, hook, handing):
+    """A worker capture's own exception (a step hook, pop on the RPC fetch, handover out of band) reaches the driver
+    as a PluginFault naming the content's worker capture and the method: the request's receipt is
+    ``internal_error`` (a plugin broke its contract, as for a driver-side plugin), not ``capture_invalid`` (engine
+    data out of bounds; the engine test test_engine_worker_faults checks the receipt); the RPC never raises, and the
+    request's rows are dropped."""
+    if handing:
+        ho, w, rt, eng = handing_engine(tmp_path, fail_in)
+    else:
+        w = fake_worker()
+        rt = WorkerRuntime(w, CFG, host=make_host(fail_in=fail_in))
+        eng, ho = HandoverEngine(rt, None), None
+    run_request(w.model_runner, "r1", "c1")
+    w.model_runner.execute_model(step(finished=["r1"]))
+    with pytest.raises(PluginFault, match=f"worker capture failed on dp rank 0: {hook}: ") as fault:
+        await _fetch_no_wait(eng, "c1")
+    assert (fault.value.plugin, fault.value.method) == ("fake worker capture", hook)
+    assert rt.captures["fake"].rows == {} and "found" not in rt.call("fake.fetch", ["c1"])
+    if ho is not None:
+        assert ho.files() == []
+        ho.close()
 
 
 @pytest.mark.parametrize("fail_in", ["unprintable", "secret"])
@@ -285,6 +312,8 @@ async def test_worker_init_failure_is_a_start_error_and_a_missing_method_turns_c
 
 class HandingRecorder(Recorder):
     def handover(self, cid, extra_args):
+        if self.fail_in == "handover":
+            raise OSError("handover broke")
         rows = self.rows.pop(cid, None)
         return None if rows is None else {"rows": rows, "extra": dict(extra_args)}
 
@@ -476,8 +505,10 @@ async def test_handover_falls_back_to_rpc_and_reports_failures_and_discards(tmp_
     eng = HandoverEngine(rt, ho)
     run_request(w.model_runner, "r2", "c2")
     w.model_runner.execute_model(step(finished=["r2"]))
-    with pytest.raises(CaptureError, match="capture failed.*boom"):
+    with pytest.raises(PluginFault, match="capture failed.*boom") as fault:
         await wx.fetch_capture(eng, "fake", "c2")
+    assert (fault.value.plugin, fault.value.method, fault.value.error_type) == ("fake worker capture", "begin_step",
+                                                                                "KeyError")
     rt.failed["fake"].clear()
     rt.captures["fake"].fail_in = None
     run_request(w.model_runner, "r3", "c3")

@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 
 import structlog
 
-from genartifact.errors import CaptureError
+from genartifact.errors import CaptureError, PluginFault
 
 QUALNAME = "genartifact.engine.worker_ext.GenartifactWorkerExtension"
 RPC = "genartifact_call"
@@ -344,13 +344,14 @@ class WorkerRuntime:
         where = {"dp_rank": self.where["dp_rank"], "tp_rank": self.where["tp_rank"], "rank": self.where["rank"]}
         err = self.failed[name].pop(cid, None)
         if err is not None:
-            cap.drop(cid)
-            return {"absent": "failed", "error": err, **where}
+            _drop_quietly(cap, cid)
+            return {"absent": "failed", "error": err, "fault": True, **where}
         try:
             payload = cap.handover(cid, extra)
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the engine
-            cap.drop(cid)
-            return {"absent": "failed", "error": f"handover: {type(e).__name__}: {_exc_text(e)}", **where}
+            _drop_quietly(cap, cid)
+            return {"absent": "failed", "error": f"handover: {type(e).__name__}: {_exc_text(e)}", "fault": True,
+                    **where}
         return {"found": payload, **where} if payload is not None else {"absent": "unknown", **where}
 
     def _write_handover(self, handed: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
@@ -542,16 +543,23 @@ class WorkerRuntime:
         where = {"dp_rank": self.where["dp_rank"], "tp_rank": self.where["tp_rank"], "rank": self.where["rank"]}
         err = self.failed[name].pop(cid, None)
         if err is not None:
-            cap.drop(cid)
+            _drop_quietly(cap, cid)
             self._bury(name, cid, "failed")
-            return {"absent": "failed", "error": err, **where}
+            return {"absent": "failed", "error": err, "fault": True, **where}
         if self.gone[name].get(cid) == "handed_over":
             return {"absent": "handed_over", **where}
         env = self.unwritten[name].pop(cid, None)
         if env is not None:  # its handover file could not be written: the answer it held comes by RPC
             self._bury(name, cid, "fetched" if "found" in env else "failed")
             return env
-        payload = cap.pop(cid, list(args[1:]))
+        try:
+            payload = cap.pop(cid, list(args[1:]))
+        except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the RPC (nor the engine)
+            log.error("worker_capture_step_failed", content=name, hook="pop", error=f"{type(e).__name__}: "
+                      f"{_exc_text(e)}", **self.where)
+            _drop_quietly(cap, cid)
+            self._bury(name, cid, "failed")
+            return {"absent": "failed", "error": f"pop: {type(e).__name__}: {_exc_text(e)}", "fault": True, **where}
         if payload is None:
             return {"absent": self.gone[name].get(cid, "unknown"), **where}
         self._bury(name, cid, "fetched")
@@ -610,6 +618,15 @@ def _hook_idle_wait(rt: WorkerRuntime) -> str | None:
     dequeue._genartifact_settles = rt  # type: ignore[attr-defined]
     mq.dequeue = dequeue
     return type(proc).__name__
+
+
+def _drop_quietly(cap: WorkerCapture, cid: str) -> None:
+    """``cap.drop(cid)`` for a capture whose request already failed: a second fault of the plugin changes nothing
+    (the request's answer names the first)."""
+    try:
+        cap.drop(cid)
+    except Exception:  # noqa: BLE001, S110 - the request already fails with the first fault
+        pass
 
 
 def _unlink(path: str) -> bool:
@@ -1441,8 +1458,11 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
     the worker took them from the request's ``extra_args``). Returns the payload of the single
     ``{"found": ...}`` answer.
 
-    :raises CaptureError: no worker holds the id (naming the cause: a failed worker step hook, a second fetch,
-        a discard, no capturing worker, or answers from fewer engines than the engine has), or more than one
+    :raises PluginFault: the content's worker plugin raised for this request (a step hook, a callback under
+        :meth:`WorkerStep.guard`, ``pop`` or ``handover``): its receipt is ``internal_error``, as for a driver-side
+        plugin fault (logged as ``plugin_fault`` with the worker's ranks).
+    :raises CaptureError: no worker holds the id (naming the cause: a second fetch, a discard, an unreadable
+        handover entry, no capturing worker, or answers from fewer engines than the engine has), or more than one
         worker holds it."""
     ho = getattr(engine, "handover", None)
     env = None
@@ -1473,7 +1493,16 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
     absent = [a for a in answers if isinstance(a, Mapping)]
     for a in absent:
         if a.get("absent") == "failed":
-            raise CaptureError(f"{content}: worker capture failed on dp rank {a.get('dp_rank')}: {a.get('error')}")
+            msg = f"{content}: worker capture failed on dp rank {a.get('dp_rank')}: {a.get('error')}"
+            if a.get("fault"):  # the content's worker plugin raised (a hook, a guarded callback, pop, handover)
+                err = str(a.get("error") or "")
+                hook, _, rest = err.partition(": ")
+                etype = rest.partition(": ")[0] if rest else ""
+                who = f"{content} worker capture"
+                log.warning("plugin_fault", plugin=who, method=hook, error=err, dp_rank=a.get("dp_rank"),
+                            tp_rank=a.get("tp_rank"), content=content)
+                raise PluginFault(msg, plugin=who, method=hook, error_type=etype)
+            raise CaptureError(msg)
     for how in ("fetched", "discarded", "handed_over"):
         if any(a.get("absent") == how for a in absent):
             raise CaptureError(f"{content}: capture {capture_id} was already {how.replace('_', ' ')} on its "
