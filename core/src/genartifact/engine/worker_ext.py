@@ -1094,10 +1094,12 @@ class Handover:
 
     async def settle(self) -> None:
         """Wait until the large step files claimed so far are read (their answers are then in :meth:`read`'s
-        reach). A cancelled caller does not cancel the reading."""
+        reach). A cancelled caller does not cancel the reading. (A read under way for another event loop is not
+        waited for.)"""
         import asyncio
 
-        while self._drainer is not None and not self._drainer.done():
+        loop = asyncio.get_running_loop()
+        while self._drainer is not None and not self._drainer.done() and self._drainer.get_loop() is loop:
             await asyncio.shield(self._drainer)
 
     def _merge(self, n: str, res: tuple[bool, Any]) -> None:
