@@ -896,11 +896,12 @@ class Handover:
     A private folder (mode 0700) in ``/dev/shm`` (else the temp dir) named ``genartifact-<driver pid>-<random>``
     holds a ``token`` file; :meth:`config` goes to the workers with ``init``. A capturing worker that finds the
     folder with the same token (same machine) writes, when vLLM tells it requests finished (the engine step after
-    their last one), one file per step, ``step.<worker pid>.<n>``: a msgpack map ``"<content>.<capture id>"`` ->
-    that capture's fetch answer, for every content of every flagged request that finished — instead of keeping the
-    rows for a ``collective_rpc`` fetch that pauses the engine loop. :meth:`take` finds a capture's answer: read
-    from the files present (each read once, then deleted; the answers of the other captures in it kept in memory
-    for their own take). Where workers cannot see the folder (Ray workers on other nodes) they answer that they do
+    their last one), one file per step, ``step.<worker pid>.<n>`` (:data:`STEP_MAGIC`: a msgpack map
+    ``"<content>.<capture id>"`` -> that capture's fetch answer, its large binary values after it), for every
+    content of every flagged request that finished — instead of keeping the rows for a ``collective_rpc`` fetch
+    that pauses the engine loop. :meth:`take` finds a capture's answer: read from the files present (each read
+    once, then deleted: up to :data:`STEP_INLINE_MAX` bytes on the event loop, larger ones by a reader thread; the
+    answers of the other captures in it kept in memory for their own take). Where workers cannot see the folder (Ray workers on other nodes) they answer that they do
     not hand over, and fetch stays on the RPC path.
 
     Nothing outlives the engine: :meth:`take` and :meth:`drop` forget what they concern (an answer dropped before
