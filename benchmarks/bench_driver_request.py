@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line  # noqa: E402
@@ -108,9 +109,10 @@ class Driver:
                 range(len(PROMPT), len(PROMPT) + c), completion, -self.rng.random(c)), **where}
         return encode_step_file(out)
 
-    async def wave(self, size: int) -> list[dict]:
-        from genartifact.types import Delta
-
+    def stage(self, size: int) -> tuple[list[Any], list[int], str]:
+        """``size`` requests prepared (``VllmEngine.prepare``: spec, admission, sampling overrides) and their
+        worker step file written under a temporary name: ``(prepared, completion, path)``; renaming
+        ``path + ".tmp"`` to ``path`` is the worker's hand-over."""
         completion = [int(x) for x in self.rng.integers(4, 500, self.max_tokens)]
         sampling = {"max_tokens": self.max_tokens, "temperature": 1.0, "ignore_eos": True}
         preps = [self.eng.prepare(PROMPT, sampling, self.spec(), self.settings) for _ in range(size)]
@@ -118,9 +120,14 @@ class Driver:
         path = os.path.join(self.eng.handover.dir, f"step.1.{self.n}")
         with open(path + ".tmp", "wb") as f:
             f.write(data)
-        os.replace(path + ".tmp", path)
+        return preps, completion, path
 
-        async def finish(p):
+    async def finish(self, preps: list[Any], completion: list[int]) -> list[dict]:
+        """Every staged request's completion recorded once, then ``finalize`` (collect from the step file, encode,
+        durable write, receipt) and ``aclose`` concurrently; the receipts (SystemExit if one is not ready)."""
+        from genartifact.types import Delta
+
+        async def one(p):
             s = p.session
             s.record_or_fail(Delta(PROMPT, completion, finished=True, finish_reason="length"))
             try:
@@ -128,11 +135,16 @@ class Driver:
             finally:
                 await s.aclose(self.eng)
 
-        receipts = await asyncio.gather(*(finish(p) for p in preps))
+        receipts = await asyncio.gather(*(one(p) for p in preps))
         bad = [r for r in receipts if r.get("state") != "ready"]
         if bad:
             raise SystemExit(f"artifact path failed: {bad[0]}")
         return receipts
+
+    async def wave(self, size: int) -> list[dict]:
+        preps, completion, path = self.stage(size)
+        os.replace(path + ".tmp", path)
+        return await self.finish(preps, completion)
 
     def close(self) -> None:
         self.eng.handover.close()

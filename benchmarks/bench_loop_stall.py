@@ -42,25 +42,7 @@ async def _ticker(lags: list[float], stop: asyncio.Event) -> None:
 
 async def wave(drv, size: int) -> tuple[float, float, float]:
     """One wave through the driver path: ``(longest stall ms, blocked ms, wall ms)``."""
-    from bench_driver_request import PROMPT
-    from genartifact.types import Delta
-
-    completion = [int(x) for x in drv.rng.integers(4, 500, drv.max_tokens)]
-    sampling = {"max_tokens": drv.max_tokens, "temperature": 1.0, "ignore_eos": True}
-    preps = [drv.eng.prepare(PROMPT, sampling, drv.spec(), drv.settings) for _ in range(size)]
-    data = drv.answers(preps, completion)
-    path = os.path.join(drv.eng.handover.dir, f"step.1.{drv.n}")
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-
-    async def finish(p):
-        s = p.session
-        s.record_or_fail(Delta(PROMPT, completion, finished=True, finish_reason="length"))
-        try:
-            return await s.finalize(drv.eng)
-        finally:
-            await s.aclose(drv.eng)
-
+    preps, completion, path = drv.stage(size)
     lags: list[float] = []
     stop = asyncio.Event()
     tick = asyncio.ensure_future(_ticker(lags, stop))
@@ -68,13 +50,10 @@ async def wave(drv, size: int) -> tuple[float, float, float]:
     lags.clear()
     t0 = time.perf_counter()
     os.replace(path + ".tmp", path)  # the worker's rename: the takes wake
-    receipts = await asyncio.gather(*(finish(p) for p in preps))
+    await drv.finish(preps, completion)
     wall = time.perf_counter() - t0
     stop.set()
     await tick
-    bad = [r for r in receipts if r.get("state") != "ready"]
-    if bad:
-        raise SystemExit(f"artifact path failed: {bad[0]}")
     return max(max(lags), 1e-6) * 1e3, sum(x for x in lags if x > 0.002) * 1e3, wall * 1e3
 
 
