@@ -130,6 +130,35 @@ async def test_a_generation_the_engine_cut_short_stores_nothing(host, reason, co
         s.release()
 
 
+@pytest.mark.parametrize("bad", [False, True], ids=["in-range", "id-out-of-range"])
+async def test_large_worker_rows_are_range_checked_off_the_event_loop(host, monkeypatch, bad):
+    """Worker rows of RANGE_CHECK_THREAD_BYTES or more (a long request's) have their expert ids checked in a
+    thread, not on the driver's event loop; an id out of range still fails the artifact (capture_invalid)."""
+    import threading
+
+    import genartifact_route_capture as rc
+
+    where = []
+    real = rc.MoeRoutes._check_range
+
+    def spy(self, arr):
+        where.append(threading.current_thread() is threading.main_thread())
+        return real(self, arr)
+
+    monkeypatch.setattr(rc.MoeRoutes, "_check_range", spy)
+    monkeypatch.setattr(rc, "RANGE_CHECK_THREAD_BYTES", 32)  # these rows: 4 routers x 6 x 2 = 48 bytes
+    s = session(host, spec(["moe_routes"]))
+    s.admit(4, 3)
+    s.sampling_overrides({})
+    s.record(Delta([1, 2, 3, 4], [5, 6, 7], None, finished=True))
+    full = (np.arange(4 * 6 * 2) % 8).astype(np.uint8).reshape(4, 6, 2)
+    if bad:
+        full[3, 5, 1] = 8
+    r = await s.finalize(FakeEngine(full))
+    assert where == [False]
+    assert (r["state"], r.get("error_code")) == (("failed", "capture_invalid") if bad else ("ready", None)), r
+
+
 async def test_routes_via_worker_path_with_start(host):
     s = session(host, spec(["moe_routes", "selected_logprobs"]))
     s.admit(4, 3, routes_start=2)

@@ -108,7 +108,7 @@ class SelectedLogprobs:
         if positions.size != c or not np.array_equal(positions, np.arange(p, p + c)):
             raise CaptureError(f"selected_logprobs: worker sent {positions.size} samples at positions "
                                f"{positions[:3].tolist()}...; expected {c} at {p}..{p + c - 1}")
-        if not np.array_equal(token_ids, np.asarray(final.completion_token_ids, dtype=np.int64)):
+        if token_ids.tolist() != list(final.completion_token_ids):
             raise CaptureError("selected_logprobs: worker-sampled token ids differ from the completion tokens")
         bad = np.flatnonzero(np.isnan(arr) | (arr == np.inf))  # one pass, not a Python check per value
         if bad.size:
