@@ -474,6 +474,122 @@ async def test_a_fetch_falling_back_to_rpc_waits_for_the_large_step_file_being_r
         os.fstat(fd)
 
 
+def test_a_large_step_file_read_for_an_ended_or_abandoned_event_loop_is_not_lost(tmp_path, monkeypatch):
+    """The reader thread's answers never depend on the task that awaited them: a read under way when
+    ``asyncio.run`` ends (its drain cancelled) is merged by the next loop's take, and a drain left on a loop
+    that never runs again neither holds up later large files nor breaks a later fetch's ``settle``."""
+    import asyncio
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    real = wx.read_step_file
+    monkeypatch.setattr(wx, "read_step_file", lambda fd, size: (time.sleep(0.2), real(fd, size))[1])
+    big = bytes(wx.STEP_INLINE_MAX + 10)
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+
+    async def first():
+        _put_step(ho, "step.1.1", {"fake.a": {"found": [1]}})
+        _put_step(ho, "step.1.2", {"fake.b": {"found": {"d": big}}})  # claimed for the reader thread
+        return await ho.take("fake", "a", wait_s=1.0)
+
+    assert asyncio.run(first()) == {"found": [1]}  # ends while b's file is read: its drain is cancelled
+    assert asyncio.run(ho.take("fake", "b", wait_s=2.0)) == {"found": {"d": big}}
+
+    abandoned = asyncio.new_event_loop()
+    _put_step(ho, "step.1.3", {"fake.c": {"found": {"d": big}}})
+    assert abandoned.run_until_complete(ho.take("fake", "c", wait_s=0.0)) is None  # claimed; its drain left pending
+
+    async def worker_call(method, *args):
+        return [{"absent": "handed_over", "dp_rank": 0}]
+
+    eng = types.SimpleNamespace(handover=ho, data_parallel_size=1, worker_call=worker_call)
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.05)
+
+    async def later():
+        _put_step(ho, "step.1.4", {"fake.d": {"found": {"d": big}}})
+        return await wx.fetch_capture(eng, "fake", "d"), await wx.fetch_capture(eng, "fake", "c")
+
+    assert asyncio.run(later()) == ({"d": big}, {"d": big})
+    assert ho.files() == [] and os.listdir(ho.dir) == ["token"]
+    ho.close()
+    abandoned.close()
+
+
+def test_step_file_limits_refuse_a_huge_header_and_tiny_blobs(tmp_path):
+    """A writer keeps a header above STEP_HEADER_MAX for the RPC fetch (a driver would refuse it); a reader refuses
+    a declared header above it unread, and blobs below STEP_BLOB_MIN (one pread each: a 256 KiB file of 1-byte blobs
+    would hold the loop for tens of ms)."""
+    import genartifact.engine.worker_ext as wx
+    import msgspec
+
+    with pytest.raises(ValueError, match="above STEP_HEADER_MAX"):
+        wx.step_file_parts({"fake.a": {"found": list(range(wx.STEP_HEADER_MAX // 4))}})
+    path = tmp_path / "f"
+    tiny = msgspec.msgpack.encode([msgspec.msgpack.Ext(1, wx._BLOB_LEN.pack(1))])
+    for data, why in ((wx._STEP_PREFIX.pack(wx.STEP_MAGIC, wx.STEP_VERSION, wx.STEP_HEADER_MAX + 1)
+                       + bytes(wx.STEP_HEADER_MAX + 1), "at most"),
+                      (wx._STEP_PREFIX.pack(wx.STEP_MAGIC, wx.STEP_VERSION, len(tiny)) + tiny + b"x",
+                       "blobs are at least")):
+        path.write_bytes(data)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with pytest.raises(ValueError, match=why):
+                wx.read_step_file(fd, len(data))
+        finally:
+            os.close(fd)
+
+
+def test_a_raising_drop_never_breaks_discard_nor_keeps_an_unwritten_answer(tmp_path):
+    """discard of a request whose step file could not be written (its answer kept for RPC) forgets that answer
+    even when the plugin's drop raises (logged); the RPC answers, and nothing stays for the worker's life."""
+    import genartifact.engine.worker_ext as wx
+    import numpy as np
+
+    class D(HandingRecorder):
+        def handover(self, cid, extra):
+            return {"d": np.zeros(3)}  # not msgpack-native: the step file cannot be written
+
+        def drop(self, cid):
+            raise RuntimeError("drop broke")
+
+    ho = wx.Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=make_host(None, D))
+    run_request(w.model_runner, "r1", "c1")
+    w.model_runner.execute_model(step(finished=["r1"]))
+    assert list(rt.unwritten["fake"]) == ["c1"]
+    assert rt.call("fake.discard", ["c1"]) is True
+    assert rt.unwritten["fake"] == {} and "c1" not in rt._live["fake"] and rt.gone["fake"]["c1"] == "discarded"
+    ho.close()
+
+
+def test_a_guarded_callable_with_a_hostile_name_cannot_escape_the_guard():
+    """guard names the callable by its ``__qualname__``: a lookup that raises, or a name carrying a secret or
+    100 KB, neither escapes into vLLM's call nor reaches the fault text unbounded."""
+    import genartifact.engine.worker_ext as wx
+
+    class Odd:
+        def __getattr__(self, n):
+            raise RuntimeError("no attributes here")
+
+        def __call__(self):
+            raise ValueError("x")
+
+    class Long:
+        __qualname__ = "token=SECRETSIG " + "y" * 100_000
+
+        def __call__(self):
+            raise ValueError("x")
+
+    s = wx.WorkerStep(None, {}, 1)
+    assert s.guard("c", Odd()) is None and s.faults["c"].startswith("callback: ValueError")
+    assert s.guard("d", Long()) is None
+    assert "SECRETSIG" not in s.faults["d"] and len(s.faults["d"]) < 300
+
+
 async def _fetch_no_wait(eng, cid):
     import genartifact.engine.worker_ext as wx
 

@@ -131,15 +131,21 @@ def unknown_plugin_message(kind: str, name: str, installed: Mapping[str, PluginI
 
 # ------------------------------------------------------------------------------------------ redaction
 _URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s/?#@]*@)?([^\s/?#]*)([^\s?#]*)(\?[^\s#]*)?(#\S*)?")
+#: ``key=value`` / ``key: value`` (also a quoted key, as in a printed dict or JSON, and ``%3D``, an encoded ``=``) whose
+#: key names a secret; the value quoted, or up to the next separator, after an auth scheme if one leads it
+#: (``Authorization: Bearer <token>``); ``sig`` is Azure SAS's signature parameter
 _SECRET_KV = re.compile(
-    r"(?i)\b([A-Za-z0-9_-]*(?:signature|token|secret|password|passwd|credential|authorization|api[_-]?key|"
-    r"access[_-]?key|session)[A-Za-z0-9_-]*)(\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|[^\s,;&'\"]+)")
+    r"(?i)([\"']?\b(?:[A-Za-z0-9_-]*(?:signature|token|secret|password|passwd|credential|authorization|"
+    r"api[_-]?key|access[_-]?key|session)[A-Za-z0-9_-]*|sig)[\"']?)(\s*[=:]\s*|%3D)"
+    r"((?:(?:bearer|basic|digest|negotiate|aws4-hmac-sha256)\s+)?(?:\"[^\"]*\"|'[^']*'|[^\s,;&'\"]+))")
 
 
 def redact(text: str, limit: int = 500) -> str:
     """``text`` with secrets removed: URL user-info and query strings (presigned URLs carry their signature
-    there), and values of ``key=value`` / ``key: value`` pairs whose key names a signature, token, secret,
-    password, credential, authorization, API/access key or session. Truncated to ``limit`` characters."""
+    there), and values of ``key=value`` / ``key: value`` pairs (a quoted key too, as a printed dict or JSON
+    shows it; ``%3D`` for ``=``) whose key names a signature (``sig`` included), token, secret, password,
+    credential, authorization, API/access key or session, with the auth scheme that leads a value (``Bearer
+    <token>``). Truncated to ``limit`` characters."""
     def url(m: re.Match[str]) -> str:
         return m.group(1) + ("<redacted>@" if m.group(2) else "") + m.group(3) + m.group(4) + (
             "?<redacted>" if m.group(5) else "")

@@ -106,7 +106,7 @@ class WorkerStep:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
             # logged by the runtime at the step's end, with the worker's ranks, as a failing step hook is
-            self.faults[content] = f"{getattr(fn, '__qualname__', 'callback')}: {type(e).__name__}: {_exc_text(e)}"
+            self.faults[content] = f"{_callable_name(fn)}: {type(e).__name__}: {_exc_text(e)}"
             return None
 
 
@@ -509,10 +509,15 @@ class WorkerRuntime:
             cid = str(args[0])
             self._unflag(name, cid)
             self.failed[name].pop(cid, None)
-            found = cap.drop(cid)
-            found = self.unwritten[name].pop(cid, None) is not None or found
+            had = self.unwritten[name].pop(cid, None) is not None
             self._bury(name, cid, "discarded")  # (an answer already in a handover file: the driver drops it)
-            return found
+            try:
+                found = bool(cap.drop(cid))
+            except Exception as e:  # noqa: BLE001 - the runtime's own state is already clean; the plugin's, logged
+                log.error("worker_capture_step_failed", content=name, hook="drop",
+                          error=f"{type(e).__name__}: {_exc_text(e)}", **self.where)
+                found = False
+            return found or had
         if verb == "stats":
             return {**cap.stats(), "live_flagged": len(self.flagged[name]), "unwritten": len(self.unwritten[name]), "handover": self.handover_dir is not None,
                     "handed_over": self.handover_written, **self.where}
@@ -618,6 +623,18 @@ def _hook_idle_wait(rt: WorkerRuntime) -> str | None:
     dequeue._genartifact_settles = rt  # type: ignore[attr-defined]
     mq.dequeue = dequeue
     return type(proc).__name__
+
+
+def _callable_name(fn: Any) -> str:
+    """``fn``'s ``__qualname__`` as a fault text names it: redacted, at most 100 characters, ``"callback"`` when it
+    has none or its lookup raises (a plugin's callable must not break the isolation that reports its fault)."""
+    from genartifact.host import redact
+
+    try:
+        name = getattr(fn, "__qualname__", None)
+        return redact(name, 100) if isinstance(name, str) and name else "callback"
+    except Exception:  # noqa: BLE001 - a hostile __getattr__
+        return "callback"
 
 
 def _drop_quietly(cap: WorkerCapture, cid: str) -> None:
@@ -793,6 +810,9 @@ STEP_BLOB_MIN = 4096
 #: (a 32k-token request of a 48-router top-8 model hands over ~12 MB: 25-30 ms of reading and decoding that
 #: stalled every stream of the server when done on the loop; docs/benchmarks.md, issue 13 fourteenth pass)
 STEP_INLINE_MAX = 256 << 10
+#: the largest header a driver reads (the answers' non-blob values: a few hundred bytes per request, so 64 MiB is
+#: ~100,000 requests finishing in one step); a file declaring more is refused unread
+STEP_HEADER_MAX = 64 << 20
 _STEP_PREFIX = struct.Struct("<4sB3xQ")
 _BLOB_LEN = struct.Struct("<Q")
 _LIFT_DEPTH = 32
@@ -803,7 +823,8 @@ def step_file_parts(entries: Mapping[str, Any]) -> list[Any]:
     prefix and header as one ``bytes``, then each blob as a view of the answer's own buffer (no copy). A blob is a
     C-contiguous ``bytes``/``bytearray``/``memoryview`` of at least :data:`STEP_BLOB_MIN` bytes held in a map of an
     answer (maps nested up to 32 deep; values inside lists stay in the header). Raises what ``msgspec`` raises
-    for a value that is not msgpack-native (``TypeError``)."""
+    for a value that is not msgpack-native (``TypeError``), ``ValueError`` for a header above
+    :data:`STEP_HEADER_MAX` (the worker then keeps the answers for the RPC fetch)."""
     import msgspec
 
     blobs: list[memoryview] = []
@@ -819,6 +840,8 @@ def step_file_parts(entries: Mapping[str, Any]) -> list[Any]:
         return v
 
     header = msgspec.msgpack.encode({k: lift(v, 0) for k, v in entries.items()})
+    if len(header) > STEP_HEADER_MAX:  # a driver would refuse it: the answers go by RPC instead
+        raise ValueError(f"step file header of {len(header)} bytes above STEP_HEADER_MAX ({STEP_HEADER_MAX})")
     return [_STEP_PREFIX.pack(STEP_MAGIC, STEP_VERSION, len(header)) + header, *blobs]
 
 
@@ -855,7 +878,8 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
 def read_step_file(fd: int, size: int) -> Any:
     """Decode the step file open at ``fd`` (``size`` bytes, see :data:`STEP_MAGIC`): the header's entries with
     each blob read into its own ``bytes``. Raises ``ValueError`` for a file that is not a step file of this format
-    (magic, version, lengths beyond the file, an unknown extension, bytes left after the last blob),
+    (magic, version, lengths beyond the file, a header above :data:`STEP_HEADER_MAX`, an unknown extension, a
+    blob below :data:`STEP_BLOB_MIN`, bytes left after the last blob),
     ``msgspec.DecodeError`` for a header that is not msgpack, ``RecursionError`` for one nested too deep, ``OSError``
     when reading fails."""
     import msgspec
@@ -869,6 +893,8 @@ def read_step_file(fd: int, size: int) -> Any:
         raise ValueError(f"step file format {version}; this driver reads format {STEP_VERSION}")
     if hlen > size - _STEP_PREFIX.size:
         raise ValueError(f"header of {hlen} bytes beyond the file's {size}")
+    if hlen > STEP_HEADER_MAX:
+        raise ValueError(f"header of {hlen} bytes; a step file's header holds at most {STEP_HEADER_MAX}")
     header = _pread_exact(fd, hlen, _STEP_PREFIX.size)
     pos = _STEP_PREFIX.size + hlen
 
@@ -877,6 +903,8 @@ def read_step_file(fd: int, size: int) -> Any:
         if code != STEP_BLOB_EXT or len(data) != _BLOB_LEN.size:
             raise ValueError(f"unknown msgpack extension {code} ({len(data)} bytes)")
         (n,) = _BLOB_LEN.unpack(data)
+        if n < STEP_BLOB_MIN:  # a writer puts smaller values in the header: refused, not read one pread each
+            raise ValueError(f"blob of {n} bytes; blobs are at least {STEP_BLOB_MIN}")
         if n > size - pos:
             raise ValueError(f"blob of {n} bytes at byte {pos} beyond the file's {size}")
         b = _pread_exact(fd, n, pos)
@@ -968,6 +996,9 @@ class Handover:
         self._claimed: list[tuple[str, int, int]] = []
         self._drainer: Any = None
         self._pool: Any = None
+        #: reads handed to the reader thread and not finished; what they read, not yet merged (name, result)
+        self._inflight: set[Any] = set()
+        self._read_done: collections.deque[tuple[str, tuple[bool, Any]]] = collections.deque()
 
     def config(self) -> dict[str, str]:
         """The ``handover`` entry of the worker ``init`` payload."""
@@ -1006,6 +1037,7 @@ class Handover:
         regular file (a FIFO, a directory, a symlink: opened with ``O_NONBLOCK | O_NOFOLLOW`` and checked), torn,
         not of this format, or unreadable — is removed and named in :attr:`unreadable`; an entry of a step file
         that is not a worker's answer fails its capture with an error naming the file."""
+        self._merge_done()
         try:
             names = os.listdir(self.dir)
         except OSError:
@@ -1050,8 +1082,9 @@ class Handover:
         return fd, st.st_size
 
     def _schedule_drain(self, inline: bool = False) -> None:
-        """Have the claimed large step files read: by the reader thread from a task on the running event loop
-        (one at a time), else (no running loop, or ``inline``) here."""
+        """Have the claimed large step files read: by the reader thread, from a task on the running event loop
+        (one per loop at a time: a task left on a loop that no longer runs does not hold the others up), else (no
+        running loop, or ``inline``) here."""
         import asyncio
 
         loop = None
@@ -1064,44 +1097,67 @@ class Handover:
             claimed, self._claimed = self._claimed, []
             for n, fd, size in claimed:
                 self._merge(n, _read_claimed(n, fd, size))
-        elif self._drainer is None or self._drainer.done():
+            return
+        d = self._drainer
+        if d is None or d.done() or d.get_loop() is not loop:
             self._drainer = loop.create_task(self._drain(loop))
+
+    def _submit(self) -> Any:
+        """Hand every claimed file to the reader thread: the ``concurrent.futures.Future`` of the read (None when
+        nothing is claimed). Whatever becomes of whoever awaits it, nothing read is lost: the thread puts each
+        file's answers in :attr:`_read_done` (merged by the next scan, read, drain or settle on any loop), and a
+        read cancelled before it started gives its files back to :attr:`_claimed` (still open, for the next
+        drain or :meth:`close`)."""
+        import concurrent.futures
+
+        claimed, self._claimed = self._claimed, []
+        if not claimed:
+            return None
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="genartifact-handover")
+        cf = self._pool.submit(_read_all_claimed, claimed, self._read_done)
+        self._inflight.add(cf)
+
+        def done(f: Any) -> None:
+            self._inflight.discard(f)
+            if f.cancelled():  # (cancelled by whoever awaited it, in that loop's thread) never read: kept
+                if self._closed:
+                    for _, fd, _ in claimed:
+                        os.close(fd)
+                else:
+                    self._claimed.extend(claimed)
+
+        cf.add_done_callback(done)
+        return cf
+
+    def _merge_done(self) -> None:
+        """Merge the answers the reader thread has read (:meth:`_submit`)."""
+        while self._read_done:
+            n, res = self._read_done.popleft()
+            self._merge(n, res)
 
     async def _drain(self, loop: Any) -> None:
         """Read the claimed large step files in the reader thread (``pread`` releases the GIL: the loop runs on
         meanwhile), merge their answers here, then hand each take waiting on ``loop`` its answer."""
         import asyncio
-        import concurrent.futures
 
-        while self._claimed:
-            claimed, self._claimed = self._claimed, []
-            if self._closed:
-                for _, fd, _ in claimed:
-                    os.close(fd)
-                return
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="genartifact-handover")
-            cf = self._pool.submit(_read_all_claimed, claimed)
-            try:
-                results = await asyncio.wrap_future(cf, loop=loop)
-            except asyncio.CancelledError:
-                if cf.cancelled():  # never started: its files are still open
-                    for _, fd, _ in claimed:
-                        os.close(fd)
-                raise
-            for n, res in results:
-                self._merge(n, res)
+        while self._claimed and not self._closed:
+            cf = self._submit()
+            await asyncio.wrap_future(cf, loop=loop)
+            self._merge_done()
             self._serve(loop)
 
     async def settle(self) -> None:
-        """Wait until the large step files claimed so far are read (their answers are then in :meth:`read`'s
-        reach). A cancelled caller does not cancel the reading. (A read under way for another event loop is not
-        waited for.)"""
+        """Wait until the large step files claimed so far are read, and merge their answers (they are then in
+        :meth:`read`'s reach), whichever event loop's task handed them to the reader thread. A cancelled caller
+        does not cancel the reading."""
         import asyncio
 
-        loop = asyncio.get_running_loop()
-        while self._drainer is not None and not self._drainer.done() and self._drainer.get_loop() is loop:
-            await asyncio.shield(self._drainer)
+        if self._claimed and not self._closed:
+            self._submit()
+        for cf in list(self._inflight):
+            await asyncio.shield(asyncio.wrap_future(cf))
+        self._merge_done()
 
     def _merge(self, n: str, res: tuple[bool, Any]) -> None:
         """Keep the answers of step file ``n`` as :func:`_read_claimed` returned it (``(True, entries)`` or
@@ -1135,6 +1191,7 @@ class Handover:
         k = self.key(content, capture_id)
         if k is None:
             return None
+        self._merge_done()
         env = self._ready.pop(k, None)
         if env is None:
             self._scan()
@@ -1299,8 +1356,12 @@ class Handover:
 
     def files(self) -> list[str]:
         """Keys (``"<content>.<capture id>"``) of the answers handed over and not yet taken or dropped, after
-        reading every step file present (tests, leak checks)."""
+        reading every step file present and waiting for the reader thread's reads under way (tests, leak checks)."""
+        import concurrent.futures
+
         self._scan(inline_all=True)
+        concurrent.futures.wait(list(self._inflight))
+        self._merge_done()
         return sorted(self._ready)
 
     def close(self) -> None:
@@ -1316,6 +1377,7 @@ class Handover:
                 self._pool.shutdown(wait=False)  # a read under way finishes, closing its files; its answers go
             _rmtree(self.dir)
             self._ready.clear()
+            self._read_done.clear()
             self._stop_watching()
         finally:
             waiting, self._waiting = self._waiting, {}
@@ -1369,9 +1431,19 @@ def _read_claimed(n: str, fd: int, size: int) -> tuple[bool, Any]:
         os.close(fd)
 
 
-def _read_all_claimed(claimed: Sequence[tuple[str, int, int]]) -> list[tuple[str, tuple[bool, Any]]]:
-    """:func:`_read_claimed` of each claimed file, in order (the handover's reader thread)."""
-    return [(n, _read_claimed(n, fd, size)) for n, fd, size in claimed]
+def _read_all_claimed(claimed: Sequence[tuple[str, int, int]], sink: collections.deque[Any]) -> None:
+    """:func:`_read_claimed` of each claimed file, in order, each result appended to ``sink`` as ``(name,
+    result)`` as soon as it is read (the handover's reader thread). Every file is closed, whatever happens."""
+    i = 0
+    try:
+        for i, (n, fd, size) in enumerate(claimed):  # noqa: B007 - i is read in finally
+            sink.append((n, _read_claimed(n, fd, size)))
+    finally:
+        for _, fd, _ in claimed[i + 1:]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _remove_entry(path: str) -> None:
