@@ -310,6 +310,18 @@ def test_redact_removes_url_secrets_and_credentials():
     assert "bucket.s3.example.com/k.gart" in out
 
 
+
+@pytest.mark.parametrize("text", ["Authorization: Bearer SECRETTOKEN", "headers {'Authorization': 'Bearer SECRETTOKEN'}",
+                                  '{"X-Amz-Signature": "SECRETTOKEN"}', "sv=2020-08-04&sig=SECRETTOKEN&se=2026",
+                                  "X-Amz-Signature%3DSECRETTOKEN", "Authorization=Basic SECRETTOKEN"])
+def test_redact_removes_auth_schemes_quoted_keys_and_encoded_pairs(text):
+    """Forms a plugin's exception text shows secrets in (found by the attack review of worker faults): an auth
+    scheme before the token, a key quoted as a printed dict or JSON shows it, Azure SAS's ``sig``, ``%3D``;
+    ordinary text about tokens stays readable."""
+    assert "SECRETTOKEN" not in redact(text)
+    assert redact("logprob 5.0 for token 8; signal=5") == "logprob 5.0 for token 8; signal=5"
+
+
 def test_other_requests_run_on_after_a_fault_in_one():
     faulty = {"n": 0}
 
