@@ -1,4 +1,5 @@
-"""``genartifact`` command line: plugins, generate, inspect, verify, make-tiny-model.
+"""``genartifact`` command line: plugins, generate, serve, inspect, verify, reconcile, make-tiny-model, and the
+commands installed plugins add (``bench`` from fpm_bench, ``replay-check`` from route_capture).
 
 Engine commands import :mod:`genartifact.engine` lazily, so ``plugins``/``inspect``/``verify`` run without vLLM.
 """
@@ -281,7 +282,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"{'kind':9} {'name':20} {'distribution':28} {'version':8} enabled")
         for r in rows:
             flag = "yes" if r["enabled"] else "no"
-            print(_safe(f"{r['kind']:9} {r['name']:20} {r['dist']:28} {r['version']:8} {flag}"
+            name = r["name"].replace("_", "-") if r["kind"] == "commands" else r["name"]  # as typed: replay-check
+            print(_safe(f"{r['kind']:9} {name:20} {r['dist']:28} {r['version']:8} {flag}"
                         + ("  PROBLEM" if r["problem"] else "")))
         for p in problems:
             print(_safe(f"problem: {p}"))
