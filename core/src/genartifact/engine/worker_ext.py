@@ -106,7 +106,7 @@ class WorkerStep:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
             # logged by the runtime at the step's end, with the worker's ranks, as a failing step hook is
-            self.faults[content] = f"{_callable_name(fn)}: {type(e).__name__}: {_exc_text(e)}"
+            self.faults[content] = f"{_callable_name(fn)}: {_exc_line(e)}"
             return None
 
 
@@ -350,8 +350,7 @@ class WorkerRuntime:
             payload = cap.handover(cid, extra)
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the engine
             _drop_quietly(cap, cid)
-            return {"absent": "failed", "error": f"handover: {type(e).__name__}: {_exc_text(e)}", "fault": True,
-                    **where}
+            return {"absent": "failed", "error": f"handover: {_exc_line(e)}", "fault": True, **where}
         return {"found": payload, **where} if payload is not None else {"absent": "unknown", **where}
 
     def _write_handover(self, handed: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
@@ -378,7 +377,7 @@ class WorkerRuntime:
             for name, cid, env in handed:
                 self.unwritten[name][cid] = env
             log.warning("worker_handover_unwritten", contents=sorted({n for n, _, _ in handed}), requests=len(handed),
-                        error=f"{type(e).__name__}: {_exc_text(e)}", detail="kept for the driver's RPC fetch",
+                        error=_exc_line(e), detail="kept for the driver's RPC fetch",
                         **self.where)
             return
         for name, cid, _ in handed:
@@ -395,7 +394,7 @@ class WorkerRuntime:
             try:
                 getattr(cap, method)(step)
             except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
-                self._fail_step(step, name, method, f"{method}: {type(e).__name__}: {_exc_text(e)}")
+                self._fail_step(step, name, method, f"{method}: {_exc_line(e)}")
 
     def _fail_step(self, step: WorkerStep, name: str, hook: str, err: str) -> None:
         """A capture of content ``name`` failed in ``step`` (its ``hook`` raised, or a callback under
@@ -515,7 +514,7 @@ class WorkerRuntime:
                 found = bool(cap.drop(cid))
             except Exception as e:  # noqa: BLE001 - the runtime's own state is already clean; the plugin's, logged
                 log.error("worker_capture_step_failed", content=name, hook="drop",
-                          error=f"{type(e).__name__}: {_exc_text(e)}", **self.where)
+                          error=_exc_line(e), **self.where)
                 found = False
             return found or had
         if verb == "stats":
@@ -560,11 +559,10 @@ class WorkerRuntime:
         try:
             payload = cap.pop(cid, list(args[1:]))
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the RPC (nor the engine)
-            log.error("worker_capture_step_failed", content=name, hook="pop", error=f"{type(e).__name__}: "
-                      f"{_exc_text(e)}", **self.where)
+            log.error("worker_capture_step_failed", content=name, hook="pop", error=_exc_line(e), **self.where)
             _drop_quietly(cap, cid)
             self._bury(name, cid, "failed")
-            return {"absent": "failed", "error": f"pop: {type(e).__name__}: {_exc_text(e)}", "fault": True, **where}
+            return {"absent": "failed", "error": f"pop: {_exc_line(e)}", "fault": True, **where}
         if payload is None:
             return {"absent": self.gone[name].get(cid, "unknown"), **where}
         self._bury(name, cid, "fetched")
@@ -617,7 +615,7 @@ def _hook_idle_wait(rt: WorkerRuntime) -> str | None:
             try:
                 rt.settle()
             except Exception as e:  # noqa: BLE001 - (plugins' faults are caught per content) never into vLLM's loop
-                log.error("worker_step_end_failed", error=f"{type(e).__name__}: {_exc_text(e)}", **rt.where)
+                log.error("worker_step_end_failed", error=_exc_line(e), **rt.where)
         return orig(*a, **kw)
 
     dequeue._genartifact_settles = rt  # type: ignore[attr-defined]
@@ -658,6 +656,12 @@ def _rmtree(path: str) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _exc_line(e: BaseException) -> str:
+    """``"<exception type>: <its text>"``, the text as :func:`_exc_text` makes it (redacted, bounded, never
+    raising): how every fault of a plugin is named in the worker's logs and fetch answers."""
+    return f"{type(e).__name__}: {_exc_text(e)}"
 
 
 def _exc_text(e: BaseException) -> str:
@@ -1048,7 +1052,7 @@ class Handover:
             try:
                 claimed = self._claim(n)
             except Exception as e:  # noqa: BLE001 - whatever is in the folder, a scan goes on (and the loop too)
-                self.unreadable.append(f"handover file {n} unreadable: {type(e).__name__}: {_exc_text(e)}")
+                self.unreadable.append(f"handover file {n} unreadable: {_exc_line(e)}")
                 _remove_entry(os.path.join(self.dir, n))
                 continue
             if claimed is None:
@@ -1095,8 +1099,8 @@ class Handover:
                 pass
         if loop is None:
             claimed, self._claimed = self._claimed, []
-            for n, fd, size in claimed:
-                self._merge(n, _read_claimed(n, fd, size))
+            _read_all_claimed(claimed, self._read_done)
+            self._merge_done()
             return
         d = self._drainer
         if d is None or d.done() or d.get_loop() is not loop:
@@ -1426,7 +1430,7 @@ def _read_claimed(n: str, fd: int, size: int) -> tuple[bool, Any]:
     try:
         return True, read_step_file(fd, size)
     except Exception as e:  # noqa: BLE001 - not msgpack, not this format, torn, unreadable: never out of a scan
-        return False, f"handover file {n} unreadable ({size} bytes): {type(e).__name__}: {_exc_text(e)}"
+        return False, f"handover file {n} unreadable ({size} bytes): {_exc_line(e)}"
     finally:
         os.close(fd)
 
@@ -1608,7 +1612,7 @@ async def _renew_handover(engine: Any, ho: Handover) -> None:
     try:
         await renew()
     except Exception as e:  # noqa: BLE001 - rows still go by RPC; only the out-of-band path is lost
-        log.warning("capture_handover_renew_failed", error=f"{type(e).__name__}: {_exc_text(e)}")
+        log.warning("capture_handover_renew_failed", error=_exc_line(e))
 
 
 async def discard_capture(engine: Any, content: str, capture_id: str) -> None:
