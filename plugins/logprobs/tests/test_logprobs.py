@@ -10,7 +10,7 @@ import pytest
 from genartifact.errors import AdmissionError, CaptureError
 from genartifact.types import AdmissionContext, Delta, FinalContext, ModelInfo
 from genartifact_logprobs import SelectedLogprobs, genartifact_content_producer
-from genartifact_logprobs.answer import worker_answer
+from genartifact_logprobs.answer import read_worker_answer, worker_answer
 
 
 @dataclass
@@ -204,8 +204,10 @@ def test_the_sampled_rows_are_read_and_stored_at_end_step_off_the_critical_path(
     sampled[0, 0] = 7  # (the sampled ids are read then: what the step's output holds at its end)
     cap.end_step(step)
     lp = raw.log_softmax(-1)
-    assert cap.store == {"ca": {5: (7, pytest.approx(float(lp[0, 7]), abs=0, rel=0))},
-                         "cc": {2: (10, pytest.approx(float(lp[2, 10]), abs=0, rel=0))}}
+    assert sorted(cap.store) == ["ca", "cc"]
+    for cid, row, pos, tok in (("ca", 0, 5, 7), ("cc", 2, 2, 10)):
+        p, t, v = (a.tolist() for a in read_worker_answer(cap.pop(cid, [])))
+        assert (p, t, v) == ([pos], [tok], [float(lp[row, tok])])  # (float32 both: equal bit for bit)
     step.closed = False
     cap.begin_step(step)
     mr.sampler.forward(raw.clone(), None)
@@ -281,3 +283,39 @@ def test_a_fault_in_the_sampler_wrapper_fails_the_step_not_the_sampler():
     assert "RuntimeError: row walk broke" in step.faults["selected_logprobs"] and cap._sampled is None
     cap.end_step(step)
     assert cap.store == {}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_samples_answer_matches_a_position_keyed_reference(seed):
+    """A request's samples (decode positions growing, now and then a preempted request's positions sampled
+    again from an earlier one) give the answer a ``position -> latest (token, logprob)`` map gives: positions
+    ascending, each once, its last sample; logprobs as float32, bit for bit."""
+    from genartifact_logprobs.worker import Samples
+
+    rng = np.random.default_rng(seed)
+    s, ref, pos = Samples(), {}, int(rng.integers(1, 50))
+    for _ in range(int(rng.integers(0, 300))):
+        if rng.random() < 0.05:
+            pos = int(rng.integers(0, pos + 1))  # recomputed from an earlier position
+        tok, val = int(rng.integers(0, 2**32)), float(-rng.exponential() if rng.random() < 0.95 else -np.inf)
+        s.add(pos, tok, val)
+        ref[pos] = (tok, float(np.float32(val)))
+        pos += 1
+    p, t, v = (a.tolist() for a in read_worker_answer(s.answer()))
+    keys = sorted(ref)
+    assert (p, t, v) == (keys, [ref[k][0] for k in keys], [ref[k][1] for k in keys])
+    assert len(s) >= len(keys)
+
+
+def test_samples_refuse_what_the_answer_cannot_hold():
+    from genartifact_logprobs.worker import Samples
+
+    s = Samples()
+    s.add(3, 9, -0.5)
+    for bad in ((-1, 3, 0.0), (2**32, 3, 0.0), (4, -2, 0.0), (4, 2**32, 0.0)):
+        with pytest.raises(OverflowError):
+            s.add(*bad)
+    with pytest.raises(TypeError):
+        s.add(4, 5, "x")
+    assert len(s) == 1 and s.ordered  # nothing of a refused sample is kept
+    assert [a.tolist() for a in read_worker_answer(s.answer())] == [[3], [9], [-0.5]]

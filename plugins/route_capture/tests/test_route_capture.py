@@ -105,15 +105,17 @@ def test_recorder_decode_steps_scalar_path_counts_recompute_and_grows():
     assert arr[0, 2:69].tolist() == [[p, p + 1] for p in range(2, 69)] and arr[:, 69].tolist() == [[7, 8], [8, 7]]
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_recorder_matches_a_reference_over_random_steps(seed):
+@pytest.mark.parametrize(("dtype", "k"), [("u1", 3), ("u1", 8), ("<u2", 8), ("<u2", 1), ("<f4", 2)])
+@pytest.mark.parametrize("seed", range(6))
+def test_recorder_matches_a_reference_over_random_steps(seed, dtype, k):
     """Random steps (prefill chunks, decode rows right after a request's last one, recomputes of earlier
     positions, gaps, positions past ``max_positions``, unflagged requests, fetches and discards mid-run) against a
     plain reference (position -> latest row): every fetch's rows, missing range, the recompute count and the
-    retained bytes agree, whichever path (the decode tail or the buffer) held the rows."""
+    retained bytes agree, whichever path (the decode tail or the buffer) held the rows, for every kind of row the
+    fetch's word-wise copy takes (3 bytes, one and two ``uint64``, one ``uint16``, float rows)."""
     rng = np.random.default_rng(seed)
-    routers, k, max_positions = (0, 2, 5), 3, 90
-    rec = RouteRecorder(router_ids=routers, top_k=k, dtype=np.dtype("u1"), max_positions=max_positions)
+    routers, max_positions = (0, 2, 5), 90
+    rec = RouteRecorder(router_ids=routers, top_k=k, dtype=np.dtype(dtype), max_positions=max_positions)
     ref: dict[str, dict[int, list[list[int]]]] = {}  # cid -> position -> [routers][top_k]
     recomputed = 0
     nxt: dict[str, int] = {}
@@ -165,8 +167,8 @@ def test_recorder_matches_a_reference_over_random_steps(seed):
             nxt.pop(cid, None)
             end = min(end, max_positions)
             start = min(start, end)
-            arr = np.frombuffer(got["data"], np.uint8).reshape(got["shape"])
-            assert arr.shape == (len(routers), end - start, k)
+            arr = np.frombuffer(got["data"], np.dtype(dtype)).reshape(got["shape"])
+            assert arr.shape == (len(routers), end - start, k) and got["dtype"] == np.dtype(dtype).str
             holes = [p for p in range(start, end) if p not in rows]
             assert got["missing"] == ([holes[0], len(holes)] if holes else None)
             for p in range(start, end):

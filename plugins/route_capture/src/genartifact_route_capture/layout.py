@@ -137,6 +137,7 @@ def worker_rows(answer: Mapping[str, Any], layout: RouterLayout, *, content: str
     if dtype is not None and np.dtype(answer["dtype"]) != np.dtype(dtype):
         raise CaptureError(f"{content}: worker rows dtype {answer['dtype']}; expected {np.dtype(dtype).str}")
     arr = np.frombuffer(answer["data"], dtype=np.dtype(answer["dtype"])).reshape(answer["shape"])
+    arr.flags.writeable = False  # (an RPC answer's data is a bytearray)
     missing = answer.get("missing")
     if arr.ndim == 3 and arr.shape[1] > rows:  # handed over up to the last forwarded position: trim
         arr = arr[:, :rows]
