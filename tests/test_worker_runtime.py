@@ -440,6 +440,92 @@ async def test_large_binary_answers_go_as_blobs_and_large_step_files_are_read_of
     ho.close()
 
 
+async def test_a_large_step_file_is_written_by_the_writer_thread_while_the_next_step_runs(tmp_path, monkeypatch):
+    """A step file of ``handover_thread_bytes`` or more goes to the worker's writer thread: the step that hands it
+    over returns without waiting for the write, the requests count as handed over only once the file is in the
+    folder (reaped at a later step's entry), and an RPC verb arriving meanwhile (a fetch whose wait ran out) waits
+    for the write and answers as if it had been written inline. The driver takes the same answers as from an
+    inline write."""
+    import threading
+
+    import genartifact.engine.worker_ext as wx
+
+    ho, w, rt, eng = handing_engine(tmp_path)
+    w._genartifact_runtime = rt  # (as the init RPC leaves it: the runtime's verbs reach it)
+    assert rt.answer()["handover_thread_bytes"] == wx.HANDOVER_THREAD_BYTES
+    assert _dispatch(w, "handover_writer", 0)["handover_thread_bytes"] == 0  # every file in the thread
+    gate, writers = threading.Event(), []
+    real = wx._write_step_file
+
+    def gated(path, parts):
+        writers.append(threading.current_thread().name)
+        assert gate.wait(10)
+        real(path, parts)
+
+    monkeypatch.setattr(wx, "_write_step_file", gated)
+    mr = w.model_runner
+    run_request(mr, "r1", "c1")
+    mr.execute_model(step(finished=["r1"]))  # returns while its file is still being written
+    assert ho.files() == [] and rt.handover_written == 0 and "c1" in rt._live["fake"] and len(rt._writes) == 1
+    threading.Timer(0.2, gate.set).start()
+    assert rt.call("fake.fetch", ["c1"])["absent"] == "handed_over"  # waited for the write, then answered
+    assert rt.handover_written == 1 and not rt._writes and writers[0].startswith("genartifact-handover-writer")
+    assert (await fetch_capture(eng, "fake", "c1"))["rows"] == [5, 1, 1]
+    run_request(mr, "r2", "c2", tokens=(4, 1))
+    mr.execute_model(step(finished=["r2"]))
+    for _ in range(200):  # written by the thread meanwhile; the next step's entry accounts for it, no RPC needed
+        if not rt._writes[0][0].done():
+            threading.Event().wait(0.01)
+    mr.execute_model(step())
+    assert rt.handover_written == 2 and not rt._writes and "c2" not in rt._live["fake"]
+    eng.rpcs.clear()
+    assert (await fetch_capture(eng, "fake", "c2"))["rows"] == [4, 1] and eng.rpcs == []
+    with pytest.raises(ValueError, match=r"handover_writer min_bytes -1; allowed: an int >= 0"):
+        _dispatch(w, "handover_writer", -1)
+    with pytest.raises(ValueError, match="allowed: an int >= 0"):
+        _dispatch(w, "handover_writer", "big")
+    assert _dispatch(w, "handover_writer")["handover_thread_bytes"] == wx.HANDOVER_THREAD_BYTES
+    assert os.listdir(ho.dir) == ["token"]
+    ho.close()
+
+
+async def test_a_failed_threaded_write_keeps_its_rows_for_rpc_and_leaves_no_file(tmp_path, monkeypatch):
+    """The writer thread's write fails (``/dev/shm`` full): nothing of it stays in the folder, its requests'
+    answers are kept for the RPC fetch, which gets them unchanged; a discard drops them; the folder switched
+    off meanwhile waits for a write under way first."""
+    import errno
+    import threading
+
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.01)
+    ho, w, rt, eng = handing_engine(tmp_path)
+    w._genartifact_runtime = rt
+    _dispatch(w, "handover_writer", 0)
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wx.os, "replace", full)
+    for rid, cid in (("r1", "c1"), ("r2", "c2")):
+        run_request(w.model_runner, rid, cid)
+        w.model_runner.execute_model(step(finished=[rid]))
+    assert (await wx.fetch_capture(eng, "fake", "c1"))["rows"] == [5, 1, 1]  # reaped by the RPC, then fetched
+    assert list(rt.unwritten["fake"]) == ["c2"] and os.listdir(ho.dir) == ["token"]
+    await wx.discard_capture(eng, "fake", "c2")
+    assert rt.unwritten["fake"] == {}
+    monkeypatch.undo()
+    gate = threading.Event()
+    real = wx._write_step_file
+    monkeypatch.setattr(wx, "_write_step_file", lambda p, parts: (gate.wait(10), real(p, parts)))
+    run_request(w.model_runner, "r3", "c3")
+    w.model_runner.execute_model(step(finished=["r3"]))
+    threading.Timer(0.2, gate.set).start()
+    _dispatch(w, "handover", None)  # off: the write under way finishes first, into the folder it was meant for
+    assert rt.handover_written == 1 and ho.files() == ["fake.c3"]
+    ho.close()
+
+
 async def test_a_fetch_falling_back_to_rpc_waits_for_the_large_step_file_being_read(tmp_path, monkeypatch):
     """The take's wait ends while the reader thread still reads the large step file holding its answer, and the
     worker says it handed the rows over: the fetch waits for the read (Handover.settle) and gets the answer, not

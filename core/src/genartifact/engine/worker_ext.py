@@ -158,7 +158,12 @@ class WorkerCapture:
         out of band (a file in the engine's handover folder, read by :func:`fetch_capture`) instead of the
         driver's fetch RPC. ``extra_args``: the request's ``SamplingParams.extra_args`` (a driver-side plugin
         passes what ``pop``'s args would carry there). Return None if nothing was recorded. A capture that does
-        not override this method is always fetched by RPC."""
+        not override this method is always fetched by RPC.
+
+        The returned answer, and every buffer in it, belongs to the runtime from then on: the capture must not
+        change it afterwards (return new ``bytes``/``bytearray`` objects, not views of buffers it reuses). A step
+        file of :data:`HANDOVER_THREAD_BYTES` or more is written by the worker's writer thread while the next
+        step runs."""
         raise NotImplementedError
 
     def verbs(self) -> Mapping[str, Callable[[Sequence[Any]], Any]]:
@@ -223,6 +228,11 @@ class WorkerRuntime:
         self.handover_contents: list[str] = []
         self.handover_written = 0
         self._handover_files = 0  # step files written (names them: step.<pid>.<n>)
+        #: step files of this many bytes or more are written by the writer thread (``handover_writer`` RPC)
+        self.handover_thread_bytes = HANDOVER_THREAD_BYTES
+        #: step files given to the writer thread, not yet reaped: (its future, its answers), in order
+        self._writes: collections.deque[tuple[Any, Sequence[tuple[str, str, dict[str, Any]]]]] = collections.deque()
+        self._writer: Any = None  # the writer thread (a one-thread executor), made on first use
         self._extra: dict[str, Mapping[str, Any]] = {}  # engine request id -> extra_args (handover only)
         #: content -> capture id -> fetch answer whose handover file could not be written (folder full or gone):
         #: kept for the driver's RPC fetch (which comes when no file came in time), dropped by discard
@@ -252,7 +262,9 @@ class WorkerRuntime:
     def set_handover(self, handover: Mapping[str, Any] | None) -> None:
         """Use the driver's handover folder ``{"dir": path, "token": str}`` when this worker sees it (the
         folder exists here and holds the same token: same machine as the driver, not e.g. a Ray worker on
-        another node); otherwise (or with None) finished requests' rows wait for the driver's fetch RPC."""
+        another node); otherwise (or with None) finished requests' rows wait for the driver's fetch RPC. Step files
+        being written into the old folder are finished first."""
+        self.reap_writes(wait=True)
         self.handover_dir, self.handover_contents = None, []
         if not handover or not self.capturing:
             return
@@ -273,6 +285,7 @@ class WorkerRuntime:
         return {"enabled": {"contents": self.config["contents"], "probes": self.config["probes"]},
                 "settings": self.config["settings"], "captures": sorted(self.captures),
                 "capturing": self.capturing, "handover": self.handover_contents, "step_end": self.step_end,
+                "handover_thread_bytes": self.handover_thread_bytes,
                 "idle_hook": self.idle_hook, **self.where}
 
     # ----- the step hook
@@ -356,33 +369,65 @@ class WorkerRuntime:
     def _write_handover(self, handed: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
         """Write one step's finished requests' fetch answers (``(content, capture id, answer)``) as one file,
         ``<handover dir>/step.<worker pid>.<n>`` (:func:`step_file_parts`: a msgpack map ``"<content>.<capture id>" ->
-        answer``, large binary values after it), written to a temporary name and renamed, so the driver never reads a partial file (:meth:`Handover.read`). One file per
-        step, not per request and content: a wave of requests finishing together costs the worker (this is on the
-        engine's critical path, before the next forward) and the driver one file each. When the write fails
-        (``/dev/shm`` full, folder gone) every answer is kept in :attr:`unwritten` for the driver's RPC fetch:
-        rows are never lost to a full folder."""
+        answer``, large binary values after it), written to a temporary name and renamed, so the driver never reads
+        a partial file (:meth:`Handover.read`). One file per step, not per request and content: a wave of requests
+        finishing together costs the worker and the driver one file each.
+
+        This runs when the engine tells the worker that requests finished, before the next step's forward, on the
+        engine's critical path. A file below :attr:`handover_thread_bytes` is written here (a few KiB per request:
+        a thread hand-off would cost more than the write). A larger one (a long request: 32k positions of a
+        48-router top-8 model are 12 MiB, ~12 ms of writing into ``/dev/shm``) goes to the writer thread, whose
+        ``write`` calls release the GIL, so it is written while the next forward runs; its requests count as handed
+        over once it is renamed into the folder (:meth:`reap_writes`, at the next step and before every RPC verb).
+        When a write fails (``/dev/shm`` full, folder gone) every answer of the file is kept in :attr:`unwritten`
+        for the driver's RPC fetch: rows are never lost to a full folder."""
         self._handover_files += 1
         path = os.path.join(str(self.handover_dir), f"step.{os.getpid()}.{self._handover_files}")
         try:
             parts = step_file_parts({f"{name}.{cid}": env for name, cid, env in handed})
-            # a new file of ours only: never through a link, never over an entry someone else put there
-            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                _write_all(fd, parts)  # blobs straight from the captures' buffers
-            finally:
-                os.close(fd)
-            os.replace(path + ".tmp", path)
-        except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
-            _unlink(path + ".tmp")
-            for name, cid, env in handed:
-                self.unwritten[name][cid] = env
-            log.warning("worker_handover_unwritten", contents=sorted({n for n, _, _ in handed}), requests=len(handed),
-                        error=_exc_line(e), detail="kept for the driver's RPC fetch",
-                        **self.where)
+        except Exception as e:  # noqa: BLE001 - not msgpack-native, header too large: the rows go by RPC instead
+            self._handed(handed, e)
             return
-        for name, cid, _ in handed:
-            self.handover_written += 1
-            self._bury(name, cid, "handed_over")
+        if sum(memoryview(p).nbytes for p in parts) < self.handover_thread_bytes:
+            try:
+                _write_step_file(path, parts)
+            except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
+                self._handed(handed, e)
+                return
+            self._handed(handed, None)
+            return
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genartifact-handover-writer")
+        self._writes.append((self._writer.submit(_write_step_file, path, parts), handed))
+
+    def reap_writes(self, wait: bool = False) -> None:
+        """Account for the step files the writer thread has finished (all of them, waiting, with ``wait``): their
+        requests handed over, or (a failed write) their answers kept for the RPC fetch. On the worker's main
+        thread only: at each step's entry, before every RPC verb, before the handover folder changes."""
+        writes = self._writes
+        while writes and (wait or writes[0][0].done()):
+            fut, handed = writes.popleft()
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - (_write_step_file's OSError, or a writer that could not run)
+                self._handed(handed, e)
+            else:
+                self._handed(handed, None)
+
+    def _handed(self, handed: Sequence[tuple[str, str, dict[str, Any]]], err: BaseException | None) -> None:
+        """A step file of ``handed`` is in the folder (``err`` None), or could not be written: its answers wait in
+        :attr:`unwritten` for the driver's RPC fetch (logged)."""
+        if err is None:
+            for name, cid, _ in handed:
+                self.handover_written += 1
+                self._bury(name, cid, "handed_over")
+            return
+        for name, cid, env in handed:
+            self.unwritten[name][cid] = env
+        log.warning("worker_handover_unwritten", contents=sorted({n for n, _, _ in handed}), requests=len(handed),
+                    error=_exc_line(err), detail="kept for the driver's RPC fetch", **self.where)
 
     def _fire(self, method: str, step: WorkerStep, deferred: bool | None = None) -> None:
         """Call ``method`` of the step's flagged contents' captures (``deferred``: only those whose
@@ -452,6 +497,8 @@ class WorkerRuntime:
         def execute_model(scheduler_output: Any, *a: Any, **kw: Any) -> Any:
             if self._pending is not None:  # the previous step's deferred end hooks (no idle wait ran them)
                 self.settle()
+            if self._writes:  # step files the writer thread has finished
+                self.reap_writes()
             if self._step is not None:  # the previous step never reached sampling
                 self._end(None, True)
             if not self._track(scheduler_output):
@@ -491,6 +538,8 @@ class WorkerRuntime:
     def call(self, method: str, args: Sequence[Any]) -> Any:
         if self._pending is not None:
             self.settle()
+        if self._writes:  # a fetch or discard must see whether its request's file got written
+            self.reap_writes(wait=True)
         name, _, verb = method.partition(".")
         cap = self.captures.get(name)
         if cap is None:
@@ -698,6 +747,13 @@ def _dispatch(worker: Any, method: str, *args: Any) -> Any:
     if method == "handover":  # ("handover", {"dir", "token"} | None): switch out-of-band handover on/off
         rt.set_handover(args[0] if args else None)
         return rt.answer()
+    if method == "handover_writer":  # ("handover_writer", min_bytes): step files of min_bytes+ go to the thread
+        n = args[0] if args else HANDOVER_THREAD_BYTES
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"handover_writer min_bytes {n!r}; allowed: an int >= 0")
+        rt.reap_writes(wait=True)
+        rt.handover_thread_bytes = n
+        return rt.answer()
     if method == "step_end":  # ("step_end", "deferred" | "inline"): where end_step hooks run
         rt.set_step_end(str(args[0]) if args else "deferred")
         return rt.answer()
@@ -814,6 +870,11 @@ STEP_BLOB_MIN = 4096
 #: (a 32k-token request of a 48-router top-8 model hands over ~12 MB: 25-30 ms of reading and decoding that
 #: stalled every stream of the server when done on the loop; docs/benchmarks.md, issue 13 fourteenth pass)
 STEP_INLINE_MAX = 256 << 10
+#: a worker writes step files of this many bytes or more in its writer thread, while the next step runs
+#: (:meth:`WorkerRuntime._write_handover`); smaller ones before the next step (a hand-off to a thread costs ~60 us of
+#: the worker's critical path, more than writing a few KiB). Changed on a running engine by the ``handover_writer``
+#: RPC (0: every file in the thread)
+HANDOVER_THREAD_BYTES = 1 << 20
 #: the largest header a driver reads (the answers' non-blob values: a few hundred bytes per request, so 64 MiB is
 #: ~100,000 requests finishing in one step); a file declaring more is refused unread
 STEP_HEADER_MAX = 64 << 20
@@ -853,6 +914,22 @@ def encode_step_file(entries: Mapping[str, Any]) -> bytes:
     """The bytes of a step file holding ``entries`` (see :func:`step_file_parts`; tests and benchmarks write
     step files as a worker does with this)."""
     return b"".join(step_file_parts(entries))
+
+
+def _write_step_file(path: str, parts: Sequence[Any]) -> None:
+    """Write ``parts`` (:func:`step_file_parts`) as the step file ``path``: into ``path + ".tmp"``, a new file of
+    ours only (never through a link, never over an entry someone else put there), then renamed to ``path``. Raises
+    ``OSError`` with nothing of ours left behind."""
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            _write_all(fd, parts)  # blobs straight from the captures' buffers
+        finally:
+            os.close(fd)
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        _unlink(path + ".tmp")
+        raise
 
 
 def _write_all(fd: int, parts: Sequence[Any]) -> None:
@@ -1204,8 +1281,9 @@ class Handover:
             self.taken += 1
         return env
 
-    async def take(self, content: str, capture_id: str, wait_s: float = HANDOVER_WAIT_S) -> Mapping[str, Any] | None:
-        """:meth:`read`, waiting up to ``wait_s`` seconds (a number; 0 or less: no wait) for the file, then None.
+    async def take(self, content: str, capture_id: str, wait_s: float | None = None) -> Mapping[str, Any] | None:
+        """:meth:`read`, waiting up to ``wait_s`` seconds (a number; 0 or less: no wait; None: the module's
+        :data:`HANDOVER_WAIT_S` at the time of the call) for the file, then None.
         The takes waiting on an event loop share one poller, which scans the folder when a step file is renamed
         into it (inotify), or, where it cannot be watched (no inotify, or the watch serves another live loop),
         :data:`HANDOVER_POLL_S` seconds after a new wait or answer (doubling per empty scan up to
@@ -1218,6 +1296,8 @@ class Handover:
         import asyncio
         import time
 
+        if wait_s is None:
+            wait_s = HANDOVER_WAIT_S
         if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s != wait_s:
             raise ValueError(f"wait_s must be a number of seconds; got {wait_s!r}")
         env = self.read(content, capture_id)
