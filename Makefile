@@ -46,6 +46,7 @@ bench: $(STAMP) $(MODEL)/model.safetensors $(SMALL)/model.safetensors demo
 	$(PY) benchmarks/bench_capture_overhead.py --model $(SMALL) --requests 32         # 3b
 	$(PY) benchmarks/bench_driver_request.py --model $(MODEL)                         # 3d (driver CPU/request)
 	$(PY) benchmarks/bench_loop_stall.py --model $(MODEL)                             # 3e (long request: loop stall)
+	$(PY) benchmarks/bench_worker_finish.py                                           # 3f (long request: worker)
 	$(PY) benchmarks/bench_upload.py                                                  # 5, 6
 	$(PY) benchmarks/bench_local_write.py                                             # 6b (file:// CPU/object)
 	$(PY) benchmarks/bench_serve.py --model $(MODEL)                                  # 8

@@ -43,6 +43,7 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_route_weights.py": (False, r"^RATIO stored bytes routes\+weights bf16 / routes only .*: \d"),
     "bench_serve.py": (True, r"^RATIO serving with / without artifacts, tokens/s: median-of-rounds \d"),
     "bench_upload.py": (False, r"^RATIO managed_fsspec s3 / bare boto3 put .*median-of-rounds \d"),
+    "bench_worker_finish.py": (False, r"^RATIO worker's critical path at a long request's finish .*median-of-rounds \d"),
     "profile_capture.py": (True, r"^RATIO capture on / off CPU per generated token .*: \d"),
 }
 NOT_SCRIPTS = {"common.py"}  # shared helpers, imported by the scripts

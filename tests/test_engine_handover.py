@@ -65,6 +65,25 @@ async def test_rows_come_out_of_band_without_rpc_and_match_the_rpc_path(engine, 
         assert not list(Path(ho.dir).parent.glob(f"genartifact-{os.getpid()}-*/*.*"))
     finally:
         assert set(await engine.set_handover(True)) >= {"moe_routes", "selected_logprobs", "moe_route_weights"}
+    # every step file through the workers' writer thread (as a long request's is): the same artifacts, no fetch RPC
+    from genartifact.engine.worker_ext import HANDOVER_THREAD_BYTES
+
+    assert {a["handover_thread_bytes"] for a in await engine.worker_call("handover_writer", 0)} == {0}
+    ho = engine.handover  # (switching it off and on made a new folder)
+    try:
+        seen.clear()
+        taken = ho.taken
+        threaded = await run_all()
+        assert not [m for m in seen if m.endswith(".fetch")], seen
+        assert ho.taken - taken == len(CONTENTS) * len(jobs) and ho.files() == []
+    finally:
+        await engine.worker_call("handover_writer", HANDOVER_THREAD_BYTES)
+    for a, b in zip(oob, threaded, strict=True):
+        assert a.completion_token_ids == b.completion_token_ids and b.receipt["state"] == "ready"
+        ra, rb = read(tmp_path, a.receipt), read(tmp_path, b.receipt)
+        assert np.array_equal(ra.routes(), rb.routes())
+        assert np.array_equal(ra.content("moe_route_weights"), rb.content("moe_route_weights"))
+        assert ra.selected_logprobs().tolist() == rb.selected_logprobs().tolist()
     for a, b in zip(oob, rpc, strict=True):
         assert a.receipt["state"] == b.receipt["state"] == "ready"
         assert a.completion_token_ids == b.completion_token_ids  # greedy: the same tokens both times

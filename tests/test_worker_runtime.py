@@ -1218,6 +1218,32 @@ async def test_a_handover_folder_removed_under_the_engine_is_replaced_and_costs_
 
 
 @pytest.mark.fault("worker", "a symlink planted at the worker's handover temp file")
+async def test_answers_the_workers_kept_for_rpc_are_not_waited_for(tmp_path):
+    """The workers say (answer to the ``handover`` RPC) that some answers could not be written (their files went to
+    a folder that was lost before the workers heard of the new one): the takes waiting for them end at once, later
+    takes for them do not wait, and a drop forgets the mark; other takes still wait for their files."""
+    import asyncio
+    import time
+
+    from genartifact.engine.worker_ext import Handover
+
+    ho = Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    waiting = asyncio.ensure_future(ho.take("fake", "c1", wait_s=30))
+    other = asyncio.ensure_future(ho.take("fake", "c9", wait_s=0.3))
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    ho.no_file(["fake.c1", "fake.c2", "fake.c3"])
+    assert await waiting is None and time.monotonic() - t0 < 1
+    t0 = time.monotonic()
+    assert await ho.take("fake", "c2", wait_s=30) is None and time.monotonic() - t0 < 1
+    ho.drop("fake", "c3")
+    t0 = time.monotonic()
+    assert await ho.take("fake", "c3", wait_s=0.05) is None and time.monotonic() - t0 >= 0.04  # waited: no mark
+    assert await other is None  # not marked: waited for its file until its deadline
+    ho.close()
+
+
 def test_a_link_at_the_workers_temp_name_is_never_followed_and_the_rows_go_by_rpc(tmp_path):
     """Someone puts a symlink where the worker writes its next step file's temp name: the worker neither writes
     through it (the link's target is untouched) nor loses the rows (kept for the RPC fetch)."""

@@ -272,6 +272,8 @@ class VllmEngine:
         if old is not None and old is not new:
             old.close()
         self._use_handover([dict(a) for a in answers if a.get("capturing")])
+        if self.handover is not None:  # requests whose files went to the lost folder: fetched by RPC, no wait
+            self.handover.no_file(k for a in answers if isinstance(a, Mapping) for k in a.get("unwritten") or ())
         return sorted(self.handover.contents) if self.handover else []
 
     async def renew_handover(self) -> list[str]:

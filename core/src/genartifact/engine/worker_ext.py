@@ -44,7 +44,7 @@ import os
 import re
 import struct
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -746,7 +746,8 @@ def _dispatch(worker: Any, method: str, *args: Any) -> Any:
                            "config) after start (VllmEngine.start / VllmEngine.attach)")
     if method == "handover":  # ("handover", {"dir", "token"} | None): switch out-of-band handover on/off
         rt.set_handover(args[0] if args else None)
-        return rt.answer()
+        # the answers kept for the RPC fetch (their files could not be written): the driver does not wait for them
+        return {**rt.answer(), "unwritten": [f"{n}.{c}" for n, kept in rt.unwritten.items() for c in kept]}
     if method == "handover_writer":  # ("handover_writer", min_bytes): step files of min_bytes+ go to the thread
         n = args[0] if args else HANDOVER_THREAD_BYTES
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -1061,6 +1062,9 @@ class Handover:
         self.unreadable: collections.deque[str] = collections.deque(maxlen=16)
         #: key -> the futures of the takes waiting for its answer, served by their loop's poller
         self._waiting: dict[str, list[Any]] = {}
+        #: keys whose answers a worker kept for the RPC fetch (written nowhere this handover can see, see
+        #: :meth:`no_file`), oldest first, bounded: their takes end at once
+        self._by_rpc: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: event loop -> the task scanning for the takes waiting on it, while there are any
         self._pollers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._closed = False
@@ -1302,6 +1306,9 @@ class Handover:
             raise ValueError(f"wait_s must be a number of seconds; got {wait_s!r}")
         env = self.read(content, capture_id)
         k = self.key(content, capture_id)
+        if env is None and k is not None and k in self._by_rpc:
+            del self._by_rpc[k]
+            return None  # its worker kept the answer for the RPC fetch: no file will come
         if env is not None or k is None or wait_s <= 0 or self._closed or not self.check_folder():
             return env  # (a lost folder: no file can come, the fetch goes by RPC at once)
         loop = asyncio.get_running_loop()
@@ -1427,11 +1434,24 @@ class Handover:
         except OSError:  # closed elsewhere already (EBADF): nothing left to release
             pass
 
+    def no_file(self, keys: Iterable[str]) -> None:
+        """The workers kept the answers of ``keys`` (``"<content>.<capture id>"``) for the RPC fetch: their step
+        files could not be written (the folder was lost before the workers heard of this one), so none will come
+        here. Takes waiting for them end now (None: the fetch goes by RPC), later ones at once."""
+        for k in keys:
+            k = str(k)
+            for f in self._waiting.pop(k, ()):
+                _no_answer(f)
+            self._by_rpc[k] = None
+            while len(self._by_rpc) > READY_MAX:
+                self._by_rpc.popitem(last=False)
+
     def drop(self, content: str, capture_id: str) -> None:
         """Forget ``capture_id``'s answer (discarded request): now if it was read, else when its file comes."""
         k = self.key(content, capture_id)
         if k is None:
             return
+        self._by_rpc.pop(k, None)
         self._scan()
         if self._ready.pop(k, None) is None:
             self._dropped[k] = None

@@ -87,6 +87,11 @@ class RouteRecorder:
 
     def __post_init__(self) -> None:
         self._index = {lid: i for i, lid in enumerate(self.router_ids)}
+        self.dtype = np.dtype(self.dtype)
+        #: one row (a position's ids of one router: ``top_k * itemsize`` bytes) as the fewest equal unsigned machine
+        #: words that hold it (top-8 ``uint8`` ids: one ``uint64``): :meth:`fetch` copies a whole row per element
+        self._row_bytes = self.top_k * self.dtype.itemsize
+        self._word = np.dtype(f"<u{next(w for w in (8, 4, 2, 1) if self._row_bytes % w == 0)}")
 
     def begin_step(self, segments: Sequence[tuple[str | None, int, int]]) -> None:
         """Describe the step: per scheduled request in batch order ``(capture_id | None, start_pos, n)``.
@@ -189,7 +194,7 @@ class RouteRecorder:
         next forward), so it moves each row once: from the buffer (positions before the decode tail) and from the
         tail itself (never flushed into the buffer first), router-major into a new ``bytearray`` (``data``: bytes-like,
         the step file writes it as it is, a fetch RPC pickles it). Each row is moved as one or a few machine words
-        (:func:`_row_words`): numpy's transpose copy of a ``[positions, routers, top_k]`` ``uint8`` array moves
+        (``_word``): numpy's transpose copy of a ``[positions, routers, top_k]`` ``uint8`` array moves
         one byte at a time, ~5x slower (a 32k-token request of 48 routers x top-8: ~32 ms against ~7 ms, the
         first ``RATIO`` of ``benchmarks/bench_worker_finish.py``)."""
         r = self.reqs.pop(cid, None)
@@ -198,27 +203,35 @@ class RouteRecorder:
         end = max(0, min(end, self.max_positions))
         start = min(max(0, start), end)
         n = end - start
-        routers, k, dt = len(self.router_ids), self.top_k, self.dtype
-        data = bytearray(routers * n * k * dt.itemsize)  # zeros: an unfilled position's rows
-        filled = np.zeros(n, bool)
+        routers, word = len(self.router_ids), self._word
+        data = bytearray(routers * n * self._row_bytes)  # zeros: an unfilled position's rows
+        t0 = r.tail_start if r.tail else r.max_pos  # rows from here on are in the tail (none past max_pos)
+        hi = max(start, min(end, t0, r.buf.shape[0]))  # positions start .. hi-1 from the buffer
+        lo, thi = hi, hi  # positions lo .. thi-1 from the tail (every tail row is filled)
+        holes, first = 0, -1
         if n:
-            out = _row_words(np.frombuffer(data, dt).reshape(routers, n, k), k)
-            t0 = r.tail_start if r.tail else r.max_pos  # rows from here on are in the tail (none past max_pos)
-            hi = min(end, t0, r.buf.shape[0])
-            if hi > start:  # positions start .. hi-1 from the buffer
-                out[:, : hi - start] = _row_words(r.buf[start:hi], k).transpose(1, 0, 2)
-                filled[: hi - start] = r.filled[start:hi]
-            lo, hi = max(start, t0), min(end, r.max_pos)
-            if r.tail and hi > lo:  # positions lo .. hi-1 from the tail (every tail row is filled)
-                tail = np.frombuffer(r.tail, dt).reshape(-1, routers, k)[lo - t0 : hi - t0]
-                out[:, lo - start : hi - start] = _row_words(tail, k).transpose(1, 0, 2)
-                filled[lo - start : hi - start] = True
-        holes = np.flatnonzero(~filled)
+            out = np.frombuffer(data, word).reshape(routers, n, -1)
+            if hi > start:
+                out[:, : hi - start] = r.buf[start:hi].view(word).transpose(1, 0, 2)
+                filled = r.filled[start:hi]
+                if not filled.all():
+                    h = np.flatnonzero(~filled)
+                    holes, first = int(h.size), start + int(h[0])
+            if r.tail and min(end, r.max_pos) > max(start, t0):
+                lo, thi = max(start, t0), min(end, r.max_pos)
+                tail = np.frombuffer(r.tail, word).reshape(-1, routers, out.shape[2])[lo - t0 : thi - t0]
+                out[:, lo - start : thi - start] = tail.transpose(1, 0, 2)
+        # unfilled: buffer holes, positions between the buffer's and the tail's, positions past both
+        gaps = [(hi, lo - hi), (thi, end - thi)] if thi > lo else [(hi, end - hi)]
+        for at, count in gaps:
+            if count > 0:
+                first = at if first < 0 else first
+                holes += count
         return {
-            "shape": [routers, n, k],
-            "dtype": dt.str,
+            "shape": [routers, n, self.top_k],
+            "dtype": self.dtype.str,
             "data": data,
-            "missing": [start + int(holes[0]), int(holes.size)] if holes.size else None,
+            "missing": [first, holes] if holes else None,
         }
 
     def discard(self, cid: str) -> bool:
@@ -227,11 +240,3 @@ class RouteRecorder:
     def retained_bytes(self) -> int:
         return sum(r.buf.nbytes + len(r.tail) for r in self.reqs.values())
 
-
-def _row_words(rows: np.ndarray, top_k: int) -> np.ndarray:
-    """``rows`` (C-contiguous ``[..., top_k]``: one request row of ``top_k`` ids per last axis) as ``[..., words]``:
-    each row as the fewest equal unsigned machine words that hold its ``top_k * itemsize`` bytes (top-8 ``uint8``
-    ids: one ``uint64``). A view, no copy; a copy between such views moves a whole row per element."""
-    width = top_k * rows.dtype.itemsize
-    word = next(w for w in (8, 4, 2, 1) if width % w == 0)
-    return rows.reshape(-1).view(f"<u{word}").reshape(*rows.shape[:-1], width // word)
