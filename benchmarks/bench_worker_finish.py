@@ -114,10 +114,14 @@ class Runner:
         self.a = torch.randn(512, 512)
         self.reps = 1
         self.started = 0.0
-        t0 = time.perf_counter()
-        self._forward()
-        one = max(time.perf_counter() - t0, 1e-6)
-        self.reps = max(1, round(forward_ms / 1e3 / one))
+        for _ in range(5):  # warm (the first calls are slow), then calibrated on the median of 7 calls
+            self._forward()
+        ts = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            self._forward()
+            ts.append(time.perf_counter() - t0)
+        self.reps = max(1, round(forward_ms / 1e3 / max(statistics.median(ts), 1e-6)))
 
     def _forward(self) -> None:
         for _ in range(self.reps):

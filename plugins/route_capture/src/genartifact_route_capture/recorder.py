@@ -195,8 +195,8 @@ class RouteRecorder:
         tail itself (never flushed into the buffer first), router-major into a new ``bytearray`` (``data``: bytes-like,
         the step file writes it as it is, a fetch RPC pickles it). Each row is moved as one or a few machine words
         (``_word``): numpy's transpose copy of a ``[positions, routers, top_k]`` ``uint8`` array moves
-        one byte at a time, ~5x slower (a 32k-token request of 48 routers x top-8: ~32 ms against ~7 ms, the
-        first ``RATIO`` of ``benchmarks/bench_worker_finish.py``)."""
+        one byte at a time: with the tail's flush, ~5x slower (a 32k-token request of 48 routers x top-8: ~33 ms against
+        ~7 ms, ``benchmarks/bench_worker_finish.py``)."""
         r = self.reqs.pop(cid, None)
         if r is None:
             return None
