@@ -160,10 +160,10 @@ class WorkerCapture:
         passes what ``pop``'s args would carry there). Return None if nothing was recorded. A capture that does
         not override this method is always fetched by RPC.
 
-        The returned answer, and every buffer in it, belongs to the runtime from then on: the capture must not
-        change it afterwards (return new ``bytes``/``bytearray`` objects, not views of buffers it reuses). A step
-        file of :data:`HANDOVER_THREAD_BYTES` or more is written by the worker's writer thread while the next
-        step runs."""
+        The returned answer, and every ``bytes``/``bytearray`` in it, belongs to the runtime from then on: the
+        capture must not change it afterwards (a step file of :data:`HANDOVER_THREAD_BYTES` or more is written by
+        the worker's writer thread while the next step runs). Return new objects: a ``memoryview`` of a buffer the
+        capture keeps is allowed, but its step file is then written before the next step (never by the thread)."""
         raise NotImplementedError
 
     def verbs(self) -> Mapping[str, Callable[[Sequence[Any]], Any]]:
@@ -375,7 +375,9 @@ class WorkerRuntime:
 
         This runs when the engine tells the worker that requests finished, before the next step's forward, on the
         engine's critical path. A file below :attr:`handover_thread_bytes` is written here (a few KiB per request:
-        a thread hand-off would cost more than the write). A larger one (a long request: 32k positions of a
+        a thread hand-off would cost more than the write), and so is one with a ``memoryview`` blob (a view of a
+        buffer the capture may reuse for the next step: written before that step, it cannot change under the
+        write). A larger one of ``bytes``/``bytearray`` blobs (a long request: 32k positions of a
         48-router top-8 model are 12 MiB, ~12 ms of writing into ``/dev/shm``) goes to the writer thread, whose
         ``write`` calls release the GIL, so it is written while the next forward runs; its requests count as handed
         over once it is renamed into the folder (:meth:`reap_writes`, at the next step and before every RPC verb).
@@ -384,11 +386,11 @@ class WorkerRuntime:
         self._handover_files += 1
         path = os.path.join(str(self.handover_dir), f"step.{os.getpid()}.{self._handover_files}")
         try:
-            parts = step_file_parts({f"{name}.{cid}": env for name, cid, env in handed})
+            parts, own = _step_file({f"{name}.{cid}": env for name, cid, env in handed})
         except Exception as e:  # noqa: BLE001 - not msgpack-native, header too large: the rows go by RPC instead
             self._handed(handed, e)
             return
-        if sum(memoryview(p).nbytes for p in parts) < self.handover_thread_bytes:
+        if not own or sum(memoryview(p).nbytes for p in parts) < self.handover_thread_bytes:
             try:
                 _write_step_file(path, parts)
             except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
@@ -891,24 +893,34 @@ def step_file_parts(entries: Mapping[str, Any]) -> list[Any]:
     answer (maps nested up to 32 deep; values inside lists stay in the header). Raises what ``msgspec`` raises
     for a value that is not msgpack-native (``TypeError``), ``ValueError`` for a header above
     :data:`STEP_HEADER_MAX` (the worker then keeps the answers for the RPC fetch)."""
+    return _step_file(entries)[0]
+
+
+def _step_file(entries: Mapping[str, Any]) -> tuple[list[Any], bool]:
+    """:func:`step_file_parts`, and whether every blob is a ``bytes`` or ``bytearray`` object of its own (no
+    ``memoryview``: a view is a window on a buffer its capture may reuse, so its file is not left to the writer
+    thread, see :meth:`WorkerRuntime._write_handover`)."""
     import msgspec
 
     blobs: list[memoryview] = []
+    own = True
 
     def lift(v: Any, depth: int) -> Any:
+        nonlocal own
         if isinstance(v, dict) and depth < _LIFT_DEPTH:
             return {k: lift(x, depth + 1) for k, x in v.items()}
         if isinstance(v, (bytes, bytearray, memoryview)):
             mv = memoryview(v)
             if mv.nbytes >= STEP_BLOB_MIN and mv.c_contiguous:
                 blobs.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+                own = own and type(v) in (bytes, bytearray)
                 return msgspec.msgpack.Ext(STEP_BLOB_EXT, _BLOB_LEN.pack(mv.nbytes))
         return v
 
     header = msgspec.msgpack.encode({k: lift(v, 0) for k, v in entries.items()})
     if len(header) > STEP_HEADER_MAX:  # a driver would refuse it: the answers go by RPC instead
         raise ValueError(f"step file header of {len(header)} bytes above STEP_HEADER_MAX ({STEP_HEADER_MAX})")
-    return [_STEP_PREFIX.pack(STEP_MAGIC, STEP_VERSION, len(header)) + header, *blobs]
+    return [_STEP_PREFIX.pack(STEP_MAGIC, STEP_VERSION, len(header)) + header, *blobs], own
 
 
 def encode_step_file(entries: Mapping[str, Any]) -> bytes:
