@@ -279,11 +279,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"plugins": rows, "problems": problems}, indent=2))
     else:
-        print(f"{'kind':9} {'name':20} {'distribution':28} {'version':8} enabled")
-        for r in rows:
+        names = [r["name"].replace("_", "-") if r["kind"] == "commands" else r["name"] for r in rows]  # as typed
+        wn = max([20, *map(len, names)])  # columns as wide as their longest entry (a third party's long names)
+        wd = max([28, *(len(str(r["dist"])) for r in rows)])
+        wv = max([8, *(len(str(r["version"])) for r in rows)])
+        print(f"{'kind':9} {'name':{wn}} {'distribution':{wd}} {'version':{wv}} enabled")
+        for r, name in zip(rows, names, strict=True):
             flag = "yes" if r["enabled"] else "no"
-            name = r["name"].replace("_", "-") if r["kind"] == "commands" else r["name"]  # as typed: replay-check
-            print(_safe(f"{r['kind']:9} {name:20} {r['dist']:28} {r['version']:8} {flag}"
+            print(_safe(f"{r['kind']:9} {name:{wn}} {r['dist']:{wd}} {r['version']:{wv}} {flag}"
                         + ("  PROBLEM" if r["problem"] else "")))
         for p in problems:
             print(_safe(f"problem: {p}"))
