@@ -489,6 +489,7 @@ async def test_a_large_step_file_is_written_by_the_writer_thread_while_the_next_
     ho.close()
 
 
+@pytest.mark.fault("worker", "a capture's handover blob that views a buffer it reuses")
 @pytest.mark.parametrize(("kind", "threaded"), [(bytes, True), (bytearray, True), (memoryview, False)])
 def test_only_files_of_owned_blobs_go_to_the_writer_thread(tmp_path, monkeypatch, kind, threaded):
     """A capture's ``bytes``/``bytearray`` blobs are the runtime's once handed over, so their file may be written
@@ -518,6 +519,72 @@ def test_only_files_of_owned_blobs_go_to_the_writer_thread(tmp_path, monkeypatch
     ho.close()
 
 
+@pytest.mark.fault("worker", "the handover writer thread cannot be started (thread limit)")
+def test_a_writer_thread_that_cannot_start_leaves_the_file_written_before_the_step(tmp_path, monkeypatch):
+    """No thread to be had (a process at its thread limit): the step file is written before the step as a small
+    one is, the step runs on, no write is left queued to run later behind the runtime's back, and the next large
+    file tries a writer thread again."""
+    import threading
+
+    import genartifact.engine.worker_ext as wx
+
+    ho, w, rt, eng = handing_engine(tmp_path)
+    rt.handover_thread_bytes = 0
+    written = []
+    real_write = wx._write_step_file
+    monkeypatch.setattr(wx, "_write_step_file", lambda p, parts: (written.append(os.path.basename(p)),
+                                                                  real_write(p, parts)))
+    real_start = threading.Thread.start
+
+    def no_thread(self):
+        if self.name.startswith("genartifact-handover-writer"):
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(threading.Thread, "start", no_thread)
+        run_request(w.model_runner, "r1", "c1")
+        assert w.model_runner.execute_model(step(finished=["r1"])) is None  # the step ran
+        assert rt.handover_written == 1 and not rt._writes and rt._writer is None and ho.files() == ["fake.c1"]
+        assert "c1" not in rt._live["fake"] and rt.unwritten["fake"] == {}
+    run_request(w.model_runner, "r2", "c2")
+    w.model_runner.execute_model(step(finished=["r2"]))
+    rt.reap_writes(wait=True)
+    assert rt._writer is not None and rt.handover_written == 2
+    assert sorted(ho.files()) == ["fake.c1", "fake.c2"]
+    assert len(written) == len(set(written)) == 2  # c1's file written once: the cancelled queued write never ran
+    ho.close()
+
+
+def test_the_idle_wait_accounts_for_finished_writes(tmp_path):
+    """After the last step of a burst, a step file the writer thread finished is accounted for (its requests
+    handed over, its answers freed) in the worker's wait for the engine's next call, not only at the next step."""
+    import genartifact.engine.worker_ext as wx
+
+    class Loop:  # vLLM's worker loop, as _hook_idle_wait finds it among its callers
+        def __init__(self):
+            self.rpc_broadcast_mq = NS(dequeue=lambda *a, **kw: "the next call")
+
+        def worker_busy_loop(self):
+            pass
+
+        def hook(self, rt):
+            return wx._hook_idle_wait(rt)
+
+    ho, w, rt, eng = handing_engine(tmp_path)
+    rt.handover_thread_bytes = 0
+    loop = Loop()
+    assert loop.hook(rt) == "Loop"
+    run_request(w.model_runner, "r1", "c1")
+    w.model_runner.execute_model(step(finished=["r1"]))
+    rt._writes[0][0].result(timeout=10)  # written; not yet accounted for
+    assert rt.handover_written == 0 and "c1" in rt._live["fake"]
+    assert loop.rpc_broadcast_mq.dequeue() == "the next call"  # the worker's loop waits for the engine
+    assert not rt._writes and rt.handover_written == 1 and "c1" not in rt._live["fake"]
+    ho.close()
+
+
+@pytest.mark.fault("worker", "/dev/shm full while the writer thread writes a step file")
 async def test_a_failed_threaded_write_keeps_its_rows_for_rpc_and_leaves_no_file(tmp_path, monkeypatch):
     """The writer thread's write fails (``/dev/shm`` full): nothing of it stays in the folder, its requests'
     answers are kept for the RPC fetch, which gets them unchanged; a discard drops them; the folder switched
@@ -1252,7 +1319,6 @@ async def test_a_handover_folder_removed_under_the_engine_is_replaced_and_costs_
     ho.close()
 
 
-@pytest.mark.fault("worker", "a symlink planted at the worker's handover temp file")
 async def test_answers_the_workers_kept_for_rpc_are_not_waited_for(tmp_path):
     """The workers say (answer to the ``handover`` RPC) that some answers could not be written (their files went to
     a folder that was lost before the workers heard of the new one): the takes waiting for them end at once, later
@@ -1276,9 +1342,40 @@ async def test_answers_the_workers_kept_for_rpc_are_not_waited_for(tmp_path):
     t0 = time.monotonic()
     assert await ho.take("fake", "c3", wait_s=0.05) is None and time.monotonic() - t0 >= 0.04  # waited: no mark
     assert await other is None  # not marked: waited for its file until its deadline
+    ho.no_file(["other.c4", "fake.bad id", "fake.c5.x", 7, b"fake.c6", "fake." + "x" * 200])  # none of its keys
+    assert list(ho._by_rpc) == []
     ho.close()
 
 
+def test_answers_kept_for_rpc_end_takes_waiting_on_another_threads_loop(tmp_path):
+    """``no_file`` called on one thread ends a take waiting on another thread's event loop through that loop
+    (as ``close`` does), so the take returns at once, not at its deadline nor never."""
+    import asyncio
+    import threading
+    import time
+
+    from genartifact.engine.worker_ext import Handover
+
+    ho = Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    got, started = [], threading.Event()
+
+    async def waiter():
+        started.set()
+        t0 = time.monotonic()
+        got.append((await ho.take("fake", "c1", wait_s=30), time.monotonic() - t0))
+
+    th = threading.Thread(target=lambda: asyncio.run(waiter(), debug=True))
+    th.start()
+    assert started.wait(10)
+    time.sleep(0.1)
+    ho.no_file(["fake.c1"])
+    th.join(10)
+    assert not th.is_alive() and got and got[0][0] is None and got[0][1] < 5
+    ho.close()
+
+
+@pytest.mark.fault("worker", "a symlink planted at the worker's handover temp file")
 def test_a_link_at_the_workers_temp_name_is_never_followed_and_the_rows_go_by_rpc(tmp_path):
     """Someone puts a symlink where the worker writes its next step file's temp name: the worker neither writes
     through it (the link's target is untouched) nor loses the rows (kept for the RPC fetch)."""

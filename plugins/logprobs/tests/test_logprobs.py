@@ -319,3 +319,36 @@ def test_samples_refuse_what_the_answer_cannot_hold():
         s.add(4, 5, "x")
     assert len(s) == 1 and s.ordered  # nothing of a refused sample is kept
     assert [a.tolist() for a in read_worker_answer(s.answer())] == [[3], [9], [-0.5]]
+
+
+@pytest.mark.fault("worker", "a sampled token id the logprobs answer cannot hold")
+def test_a_sample_out_of_bounds_fails_only_its_own_request():
+    """``end_step`` meets a sample it cannot store (a token id above 32 bits): that request's answer says so and
+    its collect fails naming the sample and the allowed range (``capture_invalid``); the other request of the same
+    step keeps its samples."""
+    import types
+
+    import torch
+    from genartifact.engine.worker_ext import WorkerStep
+    from genartifact_logprobs.worker import LogprobCapture
+
+    mr = types.SimpleNamespace(sampler=types.SimpleNamespace(forward=lambda lg, meta: None),
+                               input_batch=types.SimpleNamespace(num_reqs=2, req_ids=["a", "b"]), requests={})
+    cap = LogprobCapture(types.SimpleNamespace(model_runner=mr))
+    step = WorkerStep(None, {"selected_logprobs": {"a": "ca", "b": "cb"}}, 1)
+    cap.begin_step(step)
+    lp = torch.log_softmax(torch.randn(2, 5), -1)
+    cap._sampled = ([(0, "ca", 4), (1, "cb", 4)], lp, torch.tensor([[1], [2]]), None, True)
+    import genartifact_logprobs.worker as lw
+
+    real = lw.selected_values
+    lw.selected_values = lambda *a: ([2**32 + 1, 2], real(*a)[1])
+    try:
+        cap.end_step(step)
+    finally:
+        lw.selected_values = real
+    assert read_worker_answer(cap.pop("cb", []))[1].tolist() == [2]
+    bad = cap.pop("ca", [])
+    with pytest.raises(CaptureError, match=r"position 4 could not be stored .*allowed: positions and token ids "
+                                           r"0\.\.4294967295"):
+        read_worker_answer(bad)

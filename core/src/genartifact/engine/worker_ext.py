@@ -390,19 +390,26 @@ class WorkerRuntime:
         except Exception as e:  # noqa: BLE001 - not msgpack-native, header too large: the rows go by RPC instead
             self._handed(handed, e)
             return
-        if not own or sum(memoryview(p).nbytes for p in parts) < self.handover_thread_bytes:
-            try:
-                _write_step_file(path, parts)
-            except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
-                self._handed(handed, e)
-                return
-            self._handed(handed, None)
-            return
-        if self._writer is None:
-            from concurrent.futures import ThreadPoolExecutor
+        if own and sum(memoryview(p).nbytes for p in parts) >= self.handover_thread_bytes:
+            if self._writer is None:
+                from concurrent.futures import ThreadPoolExecutor
 
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genartifact-handover-writer")
-        self._writes.append((self._writer.submit(_write_step_file, path, parts), handed))
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genartifact-handover-writer")
+            try:
+                self._writes.append((self._writer.submit(_write_step_file, path, parts), handed))
+                return
+            except Exception as e:  # noqa: BLE001 - no thread to be had (a process at its thread limit): inline
+                # (submit queues the write before it starts the thread: cancelled, never run behind our back)
+                self._writer.shutdown(wait=False, cancel_futures=True)
+                self._writer = None
+                log.warning("worker_handover_writer_unavailable", error=_exc_line(e),
+                            detail="this step file is written before the step", **self.where)
+        try:
+            _write_step_file(path, parts)
+        except Exception as e:  # noqa: BLE001 - the folder is full (ENOSPC) or gone: the rows go by RPC instead
+            self._handed(handed, e)
+            return
+        self._handed(handed, None)
 
     def reap_writes(self, wait: bool = False) -> None:
         """Account for the step files the writer thread has finished (all of them, waiting, with ``wait``): their
@@ -667,6 +674,8 @@ def _hook_idle_wait(rt: WorkerRuntime) -> str | None:
                 rt.settle()
             except Exception as e:  # noqa: BLE001 - (plugins' faults are caught per content) never into vLLM's loop
                 log.error("worker_step_end_failed", error=_exc_line(e), **rt.where)
+        if rt._writes:  # step files the writer thread has finished: their answers freed while the engine idles
+            rt.reap_writes()
         return orig(*a, **kw)
 
     dequeue._genartifact_settles = rt  # type: ignore[attr-defined]
@@ -1449,11 +1458,21 @@ class Handover:
     def no_file(self, keys: Iterable[str]) -> None:
         """The workers kept the answers of ``keys`` (``"<content>.<capture id>"``) for the RPC fetch: their step
         files could not be written (the folder was lost before the workers heard of this one), so none will come
-        here. Takes waiting for them end now (None: the fetch goes by RPC), later ones at once."""
+        here. Takes waiting for them end now (None: the fetch goes by RPC; on their own loop, whatever thread calls
+        this), later ones at once. Keys that cannot be this handover's (another content, an impossible capture id,
+        not a string) are ignored; at most :data:`READY_MAX` are remembered."""
         for k in keys:
-            k = str(k)
-            for f in self._waiting.pop(k, ()):
-                _no_answer(f)
+            content, _, cid = k.rpartition(".") if isinstance(k, str) else ("", "", "")
+            if content not in self.contents or self.key(content, cid) != k:
+                continue  # not a key of this handover (a worker's answer is not trusted to be one)
+            waiters = self._waiting.pop(k, ())
+            for f in waiters:
+                try:  # (a take may wait on another thread's loop, as close() knows)
+                    f.get_loop().call_soon_threadsafe(_no_answer, f)
+                except RuntimeError:  # its loop is closed: nobody waits any more
+                    pass
+            if waiters:
+                continue  # its take ends now; its fetch goes by RPC
             self._by_rpc[k] = None
             while len(self._by_rpc) > READY_MAX:
                 self._by_rpc.popitem(last=False)

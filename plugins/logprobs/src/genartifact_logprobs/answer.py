@@ -4,6 +4,7 @@
 position (the request's token count after the step that sampled it), as little-endian ``uint32``, ``uint32`` and
 ``float32`` arrays of the same length. Binary rather than lists: a 32k-token request's answer is three 128 KiB
 values, handed over and checked without a Python object per token (docs/benchmarks.md, issue 13 fourteenth pass).
+Or ``{"error": text}``: the worker could not store one of the request's samples (engine data out of bounds).
 Numpy only: the worker (:mod:`.worker`) builds it, the driver's producer reads it.
 """
 
@@ -30,7 +31,10 @@ def worker_answer(positions: Sequence[int], token_ids: Sequence[int], logprobs: 
 def read_worker_answer(answer: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(positions uint32 [n], token_ids uint32 [n], logprobs float32 [n])``, read-only views of ``answer``'s
     buffers (no copy). Raises :class:`CaptureError` for an answer that is not of this format (a field missing,
-    not bytes-like, not a whole number of items, or lengths that differ)."""
+    not bytes-like, not a whole number of items, or lengths that differ), and, naming it, for the worker's
+    ``{"error": text}`` (a sample it could not store: engine data out of bounds)."""
+    if isinstance(answer, Mapping) and "error" in answer:
+        raise CaptureError(f"selected_logprobs: the worker refused this request's samples: {str(answer['error'])[:400]}")
     try:
         arrs = tuple(np.frombuffer(answer[name], dtype=dt) for name, dt in _FIELDS)
     except (KeyError, TypeError, ValueError) as e:

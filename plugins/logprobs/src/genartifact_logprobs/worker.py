@@ -44,11 +44,12 @@ class Samples:
     once, its last sample, as a position-keyed store would keep it; while positions only grow (the usual case)
     :meth:`answer` takes the arrays as they are."""
 
-    __slots__ = ("positions", "token_ids", "logprobs", "ordered")
+    __slots__ = ("positions", "token_ids", "logprobs", "ordered", "error")
 
     def __init__(self) -> None:
         self.positions, self.token_ids, self.logprobs = array(_U4), array(_U4), array("f")
         self.ordered = True  # every position so far above the one before it
+        self.error: str | None = None  # the first sample that could not be stored (see refuse)
 
     def add(self, position: int, token_id: int, logprob: float) -> None:
         """Record one sample. Raises ``OverflowError`` for a negative or > 32-bit position or token id (nothing
@@ -65,12 +66,22 @@ class Samples:
         if n and position <= pos[n - 1]:
             self.ordered = False
 
+    def refuse(self, position: Any, e: BaseException) -> None:
+        """A sample of this request that :meth:`add` refused (engine data out of bounds): the answer says so
+        instead of holding samples (the driver fails this request's capture, ``capture_invalid``; the other
+        requests of the step are unaffected)."""
+        if self.error is None:
+            self.error = (f"the sample at position {str(position)[:40]} could not be stored ({type(e).__name__}: "
+                          f"{str(e)[:200]}); allowed: positions and token ids 0..{2**32 - 1}, a float logprob")
+
     def __len__(self) -> int:
         return len(self.positions)
 
     def answer(self) -> dict[str, bytes]:
         """The fetch answer (:func:`~genartifact_logprobs.answer.worker_answer`'s format): one entry per position,
-        ascending, the last sample taken at it."""
+        ascending, the last sample taken at it; ``{"error": text}`` after :meth:`refuse`."""
+        if self.error is not None:
+            return {"error": self.error}
         if self.ordered and _LITTLE:
             return {"positions": self.positions.tobytes(), "token_ids": self.token_ids.tobytes(),
                     "logprobs": self.logprobs.tobytes()}
@@ -193,7 +204,10 @@ class LogprobCapture(WorkerCapture):
             entries = store.get(cid)
             if entries is None:
                 entries = store[cid] = Samples()
-            entries.add(pos, t, v)
+            try:
+                entries.add(pos, t, v)
+            except (OverflowError, TypeError) as e:  # out of bounds: this request's capture fails, not the step's
+                entries.refuse(pos, e)
 
     def _rows(self, n_rows: int) -> list[tuple[int, str, int]]:
         """The step's flagged rows that hold a real sample, ascending: ``(batch row, capture id, position)``, the
