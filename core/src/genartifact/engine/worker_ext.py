@@ -1467,10 +1467,7 @@ class Handover:
                 continue  # not a key of this handover (a worker's answer is not trusted to be one)
             waiters = self._waiting.pop(k, ())
             for f in waiters:
-                try:  # (a take may wait on another thread's loop, as close() knows)
-                    f.get_loop().call_soon_threadsafe(_no_answer, f)
-                except RuntimeError:  # its loop is closed: nobody waits any more
-                    pass
+                _no_answer_threadsafe(f)
             if waiters:
                 continue  # its take ends now; its fetch goes by RPC
             self._by_rpc[k] = None
@@ -1518,10 +1515,7 @@ class Handover:
             waiting, self._waiting = self._waiting, {}
             for waiters in waiting.values():
                 for f in waiters:
-                    try:  # (close may run outside the loop's thread)
-                        f.get_loop().call_soon_threadsafe(_no_answer, f)
-                    except RuntimeError:  # its loop is closed: nobody waits any more
-                        pass
+                    _no_answer_threadsafe(f)
             fd, self._lock_fd = self._lock_fd, None
             if fd is not None:
                 os.close(fd)
@@ -1593,6 +1587,15 @@ def _remove_entry(path: str) -> None:
 def _no_answer(fut: Any) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _no_answer_threadsafe(fut: Any) -> None:
+    """End a take's wait (:func:`_no_answer`) on its own loop, from whatever thread: a take may wait on another
+    thread's loop than the caller's (``close``, ``no_file``)."""
+    try:
+        fut.get_loop().call_soon_threadsafe(_no_answer, fut)
+    except RuntimeError:  # its loop is closed: nobody waits any more
+        pass
 
 
 #: handover folders being made (not yet locked and renamed to ``genartifact-<pid>-<random>``)
