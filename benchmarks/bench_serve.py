@@ -1,4 +1,4 @@
-"""Serving throughput with artifacts requested ÷ the same load without (target >= 0.9).
+"""Serving throughput with artifacts requested ÷ the same load without (issue 13's goal: >= 0.95).
 
     .venv/bin/python benchmarks/bench_serve.py [--model .models/tiny-qwen3-moe] [--requests 64] [--concurrency 16]
 
@@ -7,7 +7,10 @@ Starts `genartifact serve` on a free loopback port, then alternates rounds of th
 in a rotating order (with, without / without, with / ...). Both sides hit the same server (same engine options,
 same sampling: the server builds the SamplingParams), with the same prompts, concurrency and client settings.
 Reports requests/s and tokens/s per side with the same statistics (median of rounds, best round) and the ratios
-(median-of-rounds, best-round, per-round paired), plus server RSS.
+(median-of-rounds, best-round, per-round paired), plus server RSS, and where the difference goes: each client
+sends its next request when the last one answered, so requests/s follow the mean request latency, and the latency
+artifacts add is split into the server's finalize (its ``genartifact_finalize_seconds`` histogram: last token ->
+receipt) and the rest (the request's time in the engine and the HTTP path).
 """
 
 from __future__ import annotations
@@ -30,8 +33,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
 
 
-async def round_(base: str, n: int, conc: int, max_tokens: int, artifacts: bool) -> tuple[float, float]:
+def finalize_totals(base: str) -> tuple[float, float]:
+    """The server's ``genartifact_finalize_seconds`` histogram (last token of an artifact request -> its receipt):
+    ``(sum of seconds, count)`` as scraped from ``/metrics`` now."""
+    total = count = 0.0
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith("genartifact_finalize_seconds_sum "):
+            total = float(line.split()[1])
+        elif line.startswith("genartifact_finalize_seconds_count "):
+            count = float(line.split()[1])
+    return total, count
+
+
+async def round_(base: str, n: int, conc: int, max_tokens: int, artifacts: bool) -> tuple[float, float, float]:
+    """One round of ``n`` requests, ``conc`` at a time: ``(requests/s, tokens/s, mean request latency in s)``."""
     gate = asyncio.Semaphore(conc)
+    latencies: list[float] = []
 
     async def one(c: httpx.AsyncClient, i: int) -> int:
         body = {"prompt": f"Request {i}: the quick brown fox jumps over the lazy dog.", "max_tokens": max_tokens,
@@ -42,7 +59,9 @@ async def round_(base: str, n: int, conc: int, max_tokens: int, artifacts: bool)
                 "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "local",
                                                                 "object_key": f"runs/{uuid.uuid4().hex}.gart"}}}
         async with gate:
+            t = time.perf_counter()
             r = await c.post("/v1/completions", json=body)
+            latencies.append(time.perf_counter() - t)
         r.raise_for_status()
         j = r.json()
         assert not artifacts or j["generation_artifact"]["state"] == "ready", j
@@ -52,7 +71,7 @@ async def round_(base: str, n: int, conc: int, max_tokens: int, artifacts: bool)
         t0 = time.perf_counter()
         toks = sum(await asyncio.gather(*(one(c, i) for i in range(n))))
         dt = time.perf_counter() - t0
-    return n / dt, toks / dt
+    return n / dt, toks / dt, statistics.fmean(latencies)
 
 
 def main() -> None:
@@ -87,17 +106,21 @@ def main() -> None:
         sides = {"with artifacts": True, "without artifacts": False}
         for flag in sides.values():  # warm-up
             asyncio.run(round_(base, min(16, args.requests), args.concurrency, 8, flag))
-        res: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+        res: dict[str, list[tuple[float, float, float]]] = {k: [] for k in sides}
+        fin_s = fin_n = 0.0  # the server's finalize histogram over the measured rounds
         # the server's own process (HTTP, driver, delivery; not its engine core and workers, which busy-poll):
         # CPU seconds per request, a load-robust measure of the per-request work artifacts add there
         p = psutil.Process(proc.pid)
         cpu: dict[str, list[float]] = {k: [] for k in sides}
         for r in range(args.rounds):
             for side in rotation(list(sides), r):
+                f0 = finalize_totals(base)
                 c0 = sum(p.cpu_times()[:2])
                 res[side].append(asyncio.run(round_(base, args.requests, args.concurrency, args.max_tokens,
                                                     sides[side])))
                 cpu[side].append((sum(p.cpu_times()[:2]) - c0) / args.requests)
+                f1 = finalize_totals(base)
+                fin_s, fin_n = fin_s + f1[0] - f0[0], fin_n + f1[1] - f0[1]
         rss = sum(x.memory_info().rss for x in [p, *p.children(recursive=True)])
     finally:
         proc.terminate()
@@ -115,6 +138,15 @@ def main() -> None:
     w, wo = (statistics.median(cpu[k]) * 1e6 for k in ("with artifacts", "without artifacts"))
     print(f"  server process CPU per request, median of rounds: with {w:.0f} us, without {wo:.0f} us; artifacts add "
           f"{w - wo:.0f} us")
+    # where the requests/s go in this closed loop (each client sends its next request when the last one answered):
+    # the added latency per request is the finalize (collect, encode, durable write, receipt: the server's
+    # histogram) plus everything else, mostly the request's time in the engine (the per-step capture, and the
+    # driver's added CPU competing with the engine for the cores)
+    lw, lwo = (statistics.median([x[2] for x in res[k]]) * 1e3 for k in ("with artifacts", "without artifacts"))
+    fin = fin_s / fin_n * 1e3 if fin_n else float("nan")
+    print(f"  mean request latency, median of rounds: with {lw:.1f} ms, without {lwo:.1f} ms: artifacts add "
+          f"{lw - lwo:.1f} ms, of which finalize (last token -> receipt, mean of {fin_n:.0f}) {fin:.1f} ms and "
+          f"{lw - lwo - fin:.1f} ms elsewhere (the engine, HTTP)")
     print(f"  server RSS (all processes) after the run: {rss / 1e6:.0f} MB")
 
 

@@ -41,7 +41,9 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_replicas.py": (True, r"^RATIO rows/s x2 / x1: \d"),
     "bench_route_recorder.py": (False, r"^RATIO route recording per step, per-layer copy / stash .*median-of-rounds \d"),
     "bench_route_weights.py": (False, r"^RATIO stored bytes routes\+weights bf16 / routes only .*: \d"),
-    "bench_serve.py": (True, r"^RATIO serving with / without artifacts, tokens/s: median-of-rounds \d"),
+    # (and the latency split: the server's finalize histogram scraped from /metrics, some request counted)
+    "bench_serve.py": (True, r"^RATIO serving with / without artifacts, tokens/s: median-of-rounds \d(?s:.*)"
+                             r"^  mean request latency.* finalize \(last token -> receipt, mean of [1-9]\d*\) \d"),
     "bench_upload.py": (False, r"^RATIO managed_fsspec s3 / bare boto3 put .*median-of-rounds \d"),
     "bench_worker_finish.py": (False, r"^RATIO worker's critical path at a long request's finish .*median-of-rounds \d"),
     "profile_capture.py": (True, r"^RATIO capture on / off CPU per generated token .*: \d"),
