@@ -133,3 +133,26 @@ def test_object_enospc_simulated_leaves_no_temp(tmp_path, monkeypatch):
         asyncio.run(t.deliver(v, b"data", "x"))
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert e.value.code == "delivery_failed" and os.listdir(tmp_path / "runs") == []
+
+
+@pytest.mark.fault("disk", "handover folder on a full tmpfs (/dev/shm full)")
+def test_full_handover_tmpfs_sends_the_fetch_to_rpc_at_once(full_fs, monkeypatch):
+    """The engine's handover folder on a really full tmpfs: the worker's step file cannot be written, but its
+    empty ``nofile`` marker can (no data blocks), so the driver's fetch goes by RPC at once instead of after
+    HANDOVER_WAIT_S (60 s here), gets the rows unchanged, and the folder is left as it was."""
+    import time
+
+    import genartifact.engine.worker_ext as wx
+    from test_worker_runtime import handing_engine, run_request, step
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
+    ho, w, rt, eng = handing_engine(full_fs)
+    _fill(full_fs)
+    run_request(w.model_runner, "r1", "c1")
+    w.model_runner.execute_model(step(finished=["r1"]))
+    assert sorted(os.listdir(ho.dir)) == ["nofile.fake.c1", "token"]  # no step file, no temporary file
+    t0 = time.monotonic()
+    got = asyncio.run(asyncio.wait_for(wx.fetch_capture(eng, "fake", "c1"), 20))
+    assert got["rows"] == [5, 1, 1] and time.monotonic() - t0 < 5 and eng.rpcs == ["fake.fetch"]
+    assert os.listdir(ho.dir) == ["token"] and rt.unwritten["fake"] == {}
+    ho.close()

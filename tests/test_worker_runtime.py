@@ -607,9 +607,10 @@ async def test_a_failed_threaded_write_keeps_its_rows_for_rpc_and_leaves_no_file
         run_request(w.model_runner, rid, cid)
         w.model_runner.execute_model(step(finished=[rid]))
     assert (await wx.fetch_capture(eng, "fake", "c1"))["rows"] == [5, 1, 1]  # reaped by the RPC, then fetched
-    assert list(rt.unwritten["fake"]) == ["c2"] and os.listdir(ho.dir) == ["token"]
+    # (c2's marker tells the driver that its answer comes by RPC only; no partial or temporary file)
+    assert list(rt.unwritten["fake"]) == ["c2"] and sorted(os.listdir(ho.dir)) == ["nofile.fake.c2", "token"]
     await wx.discard_capture(eng, "fake", "c2")
-    assert rt.unwritten["fake"] == {}
+    assert rt.unwritten["fake"] == {} and os.listdir(ho.dir) == ["token"] and not ho._by_rpc
     monkeypatch.undo()
     gate = threading.Event()
     real = wx._write_step_file
@@ -926,6 +927,66 @@ async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_fil
     assert ho.files() == ["fake.c3"]
     eng.rpcs.clear()
     assert (await wx.fetch_capture(eng, "fake", "c3"))["rows"] == [5, 1, 1] and eng.rpcs == []
+    ho.close()
+
+
+@pytest.mark.fault("worker", "handover folder full: the driver's fetch does not wait for the file")
+async def test_a_step_file_that_cannot_be_written_ends_the_drivers_wait_at_once(tmp_path, monkeypatch):
+    """/dev/shm full: the worker leaves an empty ``nofile.<key>`` marker per answer it keeps for RPC, so a fetch
+    (already waiting, or later) goes by RPC at once instead of after HANDOVER_WAIT_S (60 s here); the markers
+    are consumed, a discard of a marked request leaves nothing behind on either side, and marker names that are
+    not a capture's are removed without effect."""
+    import asyncio
+    import errno
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
+    ho, w, rt, eng = handing_engine(tmp_path)
+    real_replace = wx.os.replace
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wx.os, "replace", full)
+    run_request(w.model_runner, "r1", "c1")
+    w.model_runner.execute_model(step(finished=["r1"]))
+    assert sorted(os.listdir(ho.dir)) == ["nofile.fake.c1", "token"]
+    t0 = time.monotonic()
+    got = await asyncio.wait_for(wx.fetch_capture(eng, "fake", "c1"), 20)
+    assert got["rows"] == [5, 1, 1] and time.monotonic() - t0 < 5 and len(eng.rpcs) == 1
+    assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc and rt.unwritten["fake"] == {}
+
+    # a fetch already waiting for the file when the write fails: the marker wakes it
+    run_request(w.model_runner, "r2", "c2")
+    waiting = asyncio.ensure_future(wx.fetch_capture(eng, "fake", "c2"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    t0 = time.monotonic()
+    w.model_runner.execute_model(step(finished=["r2"]))
+    assert (await asyncio.wait_for(waiting, 20))["rows"] == [5, 1, 1] and time.monotonic() - t0 < 5
+    assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc
+
+    # a marked request discarded before any fetch: no marker, tombstone or kept answer left
+    run_request(w.model_runner, "r3", "c3")
+    w.model_runner.execute_model(step(finished=["r3"]))
+    await wx.discard_capture(eng, "fake", "c3")
+    ho.files()
+    assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc and not ho._dropped and rt.unwritten["fake"] == {}
+
+    # names that are not a capture's marker: removed, nothing remembered
+    for junk in ("nofile.", "nofile.other.c9", "nofile.fake.bad id", "nofile.fake"):
+        open(os.path.join(ho.dir, junk), "w").close()
+    assert ho.files() == [] and os.listdir(ho.dir) == ["token"] and not ho._by_rpc
+
+    # space back: out of band again, no marker
+    monkeypatch.setattr(wx.os, "replace", real_replace)
+    run_request(w.model_runner, "r4", "c4")
+    w.model_runner.execute_model(step(finished=["r4"]))
+    eng.rpcs.clear()
+    assert (await wx.fetch_capture(eng, "fake", "c4"))["rows"] == [5, 1, 1] and eng.rpcs == []
+    assert os.listdir(ho.dir) == ["token"]
     ho.close()
 
 

@@ -435,8 +435,26 @@ class WorkerRuntime:
             return
         for name, cid, env in handed:
             self.unwritten[name][cid] = env
+        marked = self._mark_unwritten(handed)
         log.warning("worker_handover_unwritten", contents=sorted({n for n, _, _ in handed}), requests=len(handed),
-                    error=_exc_line(err), detail="kept for the driver's RPC fetch", **self.where)
+                    error=_exc_line(err), detail="kept for the driver's RPC fetch", marked=marked, **self.where)
+
+    def _mark_unwritten(self, handed: Sequence[tuple[str, str, dict[str, Any]]]) -> int:
+        """Tell the driver that ``handed``'s answers will come by RPC only: an empty :data:`NOFILE_PREFIX` file per
+        answer in the handover folder (created, never over an existing entry, never through a link). Returns how
+        many were made; one that cannot be (the folder gone, no inodes left, a name above 255 bytes) leaves that
+        request's take to wait :data:`HANDOVER_WAIT_S` before it asks by RPC."""
+        d, made = self.handover_dir, 0
+        if d is None:
+            return 0
+        for name, cid, _ in handed:
+            try:
+                os.close(os.open(os.path.join(d, f"{NOFILE_PREFIX}{name}.{cid}"),
+                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+                made += 1
+            except OSError:
+                pass
+        return made
 
     def _fire(self, method: str, step: WorkerStep, deferred: bool | None = None) -> None:
         """Call ``method`` of the step's flagged contents' captures (``deferred``: only those whose
@@ -876,6 +894,11 @@ HANDOVER_POLL_MAX_S = 0.02
 #: (which releases the GIL), and a large file is read off the driver's event loop (:data:`STEP_INLINE_MAX`).
 STEP_MAGIC = b"GAHO"
 STEP_VERSION = 1
+#: an empty file ``nofile.<content>.<capture id>`` in the handover folder: the worker could not write that answer's
+#: step file (``/dev/shm`` full, an answer msgpack cannot hold) and keeps it for the RPC fetch, so the driver's take
+#: ends at once instead of waiting :data:`HANDOVER_WAIT_S` for a file that cannot come. An empty file needs no data
+#: blocks (a full tmpfs still makes it); where even that fails, the take waits as before.
+NOFILE_PREFIX = "nofile."
 STEP_BLOB_EXT = 1
 STEP_BLOB_MIN = 4096
 #: step files up to this many bytes are read on the driver's event loop; larger ones by the handover's reader thread
@@ -1149,6 +1172,9 @@ class Handover:
         except OSError:
             return
         for n in names:
+            if n.startswith(NOFILE_PREFIX):
+                self._no_file_marker(n)
+                continue
             if not n.startswith("step.") or n.endswith(".tmp"):
                 continue
             try:
@@ -1166,6 +1192,18 @@ class Handover:
                 self._claimed.append((n, fd, size))
         if self._claimed:
             self._schedule_drain(inline_all)
+
+    def _no_file_marker(self, n: str) -> None:
+        """A worker's :data:`NOFILE_PREFIX` marker ``n``: removed, and its answer known to come by RPC only
+        (:meth:`no_file`), unless its request was dropped meanwhile (its tombstone goes: no file will come to
+        discard)."""
+        if not _unlink(os.path.join(self.dir, n)):
+            return  # taken by another scan meanwhile
+        k = n[len(NOFILE_PREFIX):]
+        if k in self._dropped:
+            del self._dropped[k]
+            return
+        self.no_file([k])
 
     def _claim(self, n: str) -> tuple[int, int] | None:
         """Open the step file ``n`` and unlink it: ``(descriptor, size in bytes)``, or None when another scan took
@@ -1474,13 +1512,24 @@ class Handover:
             while len(self._by_rpc) > READY_MAX:
                 self._by_rpc.popitem(last=False)
 
+    def fetched_by_rpc(self, content: str, capture_id: str) -> None:
+        """``capture_id``'s answer of ``content`` came by the RPC fetch: forget that it would (:meth:`no_file`) and
+        remove the worker's :data:`NOFILE_PREFIX` marker for it if one is still in the folder."""
+        k = self.key(content, capture_id)
+        if k is None:
+            return
+        self._by_rpc.pop(k, None)
+        _unlink(os.path.join(self.dir, NOFILE_PREFIX + k))
+
     def drop(self, content: str, capture_id: str) -> None:
         """Forget ``capture_id``'s answer (discarded request): now if it was read, else when its file comes."""
         k = self.key(content, capture_id)
         if k is None:
             return
-        self._by_rpc.pop(k, None)
         self._scan()
+        if k in self._by_rpc:  # its answer was kept by the worker for RPC (the discard RPC drops it there): no file
+            del self._by_rpc[k]  # will come
+            return
         if self._ready.pop(k, None) is None:
             self._dropped[k] = None
             while len(self._dropped) > TOMBSTONES:
@@ -1687,6 +1736,8 @@ async def fetch_capture(engine: Any, content: str, capture_id: str, *args: Any) 
         answers: list[Any] = [env]
     else:
         answers = await engine.worker_call(f"{content}.fetch", capture_id, *args)
+        if isinstance(ho, Handover) and content in ho.contents:
+            ho.fetched_by_rpc(content, capture_id)
         if isinstance(ho, Handover) and any(isinstance(a, Mapping) and a.get("absent") == "handed_over"
                                             for a in answers):
             await ho.settle()  # a large step file being read in the reader thread
