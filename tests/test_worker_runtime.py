@@ -930,6 +930,91 @@ async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_fil
     ho.close()
 
 
+@pytest.mark.fault("worker", "handover folder full under the writer thread, engine idle afterwards")
+async def test_a_threaded_write_that_fails_marks_its_answers_at_once(tmp_path, monkeypatch):
+    """A step file of the writer thread fails (a long request's file, /dev/shm full) and no step follows (the engine
+    is idle): the thread itself leaves the markers, so the fetch goes by RPC at once instead of waiting
+    HANDOVER_WAIT_S for the next step or RPC to reap the failed write; nothing is left afterwards."""
+    import asyncio
+    import errno
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
+    ho, w, rt, eng = handing_engine(tmp_path)
+    w._genartifact_runtime = rt
+    _dispatch(w, "handover_writer", 0)  # every step file through the writer thread
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wx.os, "replace", full)
+    run_request(w.model_runner, "r1", "c1")
+    w.model_runner.execute_model(step(finished=["r1"]))  # the write fails in the thread; no step reaps it
+    t0 = time.monotonic()
+    got = await asyncio.wait_for(wx.fetch_capture(eng, "fake", "c1"), 20)
+    assert got["rows"] == [5, 1, 1] and time.monotonic() - t0 < 5
+    assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc and rt.unwritten["fake"] == {}
+    ho.close()
+
+
+async def test_a_fetch_cancelled_after_a_marker_then_discarded_leaves_nothing(tmp_path, monkeypatch):
+    """A fetch waits; the write fails (marker); the client goes (the fetch is cancelled) and the request is
+    discarded before any scan: no marker, mark, tombstone or kept answer is left on either side."""
+    import asyncio
+    import errno
+
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
+    monkeypatch.setattr(wx, "HANDOVER_POLL_MAX_S", 30.0)
+    ho, w, rt, eng = handing_engine(tmp_path)
+    monkeypatch.setattr(wx.os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    run_request(w.model_runner, "r1", "c1")
+    fetch = asyncio.ensure_future(wx.fetch_capture(eng, "fake", "c1"))
+    await asyncio.sleep(0.05)
+    w.model_runner.execute_model(step(finished=["r1"]))
+    fetch.cancel()
+    await asyncio.sleep(0)
+    await wx.discard_capture(eng, "fake", "c1")
+    await asyncio.sleep(0.05)
+    assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc and not ho._dropped and rt.unwritten["fake"] == {}
+    ho.close()
+
+
+async def test_a_marker_read_by_another_threads_scan_while_a_take_starts_waiting(tmp_path, monkeypatch):
+    """A take has found neither an answer nor a mark, and before it registers its wait another thread's scan reads
+    the request's marker: the take sees the mark once registered and does not wait HANDOVER_WAIT_S."""
+    import asyncio
+    import errno
+    import threading
+    import time
+
+    import genartifact.engine.worker_ext as wx
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
+    ho, w, rt, eng = handing_engine(tmp_path)
+    monkeypatch.setattr(wx.os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    run_request(w.model_runner, "r1", "c1")
+    real_check, fired = ho.check_folder, []
+
+    def check_folder():  # runs inside take, between its mark check and its wait's registration
+        if not fired:
+            fired.append(1)
+            w.model_runner.execute_model(step(finished=["r1"]))  # the worker's marker
+            t = threading.Thread(target=ho.read, args=("fake", "other"))  # another thread's scan reads it
+            t.start()
+            t.join()
+        return real_check()
+
+    monkeypatch.setattr(ho, "check_folder", check_folder)
+    t0 = time.monotonic()
+    got = await asyncio.wait_for(wx.fetch_capture(eng, "fake", "c1"), 20)
+    assert fired and got["rows"] == [5, 1, 1] and time.monotonic() - t0 < 5 and not ho._by_rpc
+    ho.close()
+
+
 @pytest.mark.fault("worker", "handover folder full: the driver's fetch does not wait for the file")
 async def test_a_step_file_that_cannot_be_written_ends_the_drivers_wait_at_once(tmp_path, monkeypatch):
     """/dev/shm full: the worker leaves an empty ``nofile.<key>`` marker per answer it keeps for RPC, so a fetch
@@ -958,7 +1043,9 @@ async def test_a_step_file_that_cannot_be_written_ends_the_drivers_wait_at_once(
     assert got["rows"] == [5, 1, 1] and time.monotonic() - t0 < 5 and len(eng.rpcs) == 1
     assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc and rt.unwritten["fake"] == {}
 
-    # a fetch already waiting for the file when the write fails: the marker wakes it
+    # a fetch already waiting for the file when the write fails: the marker's rename wakes it (the folder's watch;
+    # not the poller's safety scan, set to 30 s here)
+    monkeypatch.setattr(wx, "HANDOVER_POLL_MAX_S", 30.0)
     run_request(w.model_runner, "r2", "c2")
     waiting = asyncio.ensure_future(wx.fetch_capture(eng, "fake", "c2"))
     await asyncio.sleep(0.05)
@@ -975,9 +1062,10 @@ async def test_a_step_file_that_cannot_be_written_ends_the_drivers_wait_at_once(
     ho.files()
     assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc and not ho._dropped and rt.unwritten["fake"] == {}
 
-    # names that are not a capture's marker: removed, nothing remembered
+    # names that are not a capture's marker: removed, nothing remembered; a directory so named is removed too
     for junk in ("nofile.", "nofile.other.c9", "nofile.fake.bad id", "nofile.fake"):
         open(os.path.join(ho.dir, junk), "w").close()
+    os.makedirs(os.path.join(ho.dir, "nofile.other.c8", "sub"))
     assert ho.files() == [] and os.listdir(ho.dir) == ["token"] and not ho._by_rpc
 
     # space back: out of band again, no marker
@@ -1404,6 +1492,8 @@ async def test_answers_the_workers_kept_for_rpc_are_not_waited_for(tmp_path):
     assert await ho.take("fake", "c3", wait_s=0.05) is None and time.monotonic() - t0 >= 0.04  # waited: no mark
     assert await other is None  # not marked: waited for its file until its deadline
     ho.no_file(["other.c4", "fake.bad id", "fake.c5.x", 7, b"fake.c6", "fake." + "x" * 200])  # none of its keys
+    assert list(ho._by_rpc) == ["fake.c1"]  # remembered (a take of it does not wait) until its RPC fetch came
+    ho.fetched_by_rpc("fake", "c1")
     assert list(ho._by_rpc) == []
     ho.close()
 

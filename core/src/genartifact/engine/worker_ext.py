@@ -396,7 +396,7 @@ class WorkerRuntime:
 
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genartifact-handover-writer")
             try:
-                self._writes.append((self._writer.submit(_write_step_file, path, parts), handed))
+                self._writes.append((self._writer.submit(_write_step_file_or_mark, path, parts, handed), handed))
                 return
             except Exception as e:  # noqa: BLE001 - no thread to be had (a process at its thread limit): inline
                 # (submit queues the write before it starts the thread: cancelled, never run behind our back)
@@ -421,11 +421,12 @@ class WorkerRuntime:
             try:
                 fut.result()
             except Exception as e:  # noqa: BLE001 - (_write_step_file's OSError, or a writer that could not run)
-                self._handed(handed, e)
+                self._handed(handed, e, threaded=True)
             else:
                 self._handed(handed, None)
 
-    def _handed(self, handed: Sequence[tuple[str, str, dict[str, Any]]], err: BaseException | None) -> None:
+    def _handed(self, handed: Sequence[tuple[str, str, dict[str, Any]]], err: BaseException | None,
+                threaded: bool = False) -> None:
         """A step file of ``handed`` is in the folder (``err`` None), or could not be written: its answers wait in
         :attr:`unwritten` for the driver's RPC fetch (logged)."""
         if err is None:
@@ -435,26 +436,10 @@ class WorkerRuntime:
             return
         for name, cid, env in handed:
             self.unwritten[name][cid] = env
-        marked = self._mark_unwritten(handed)
+        # (a threaded write that failed made its markers in the writer thread already, at once: not made twice)
+        marked = None if threaded or self.handover_dir is None else _mark_no_file(self.handover_dir, handed)
         log.warning("worker_handover_unwritten", contents=sorted({n for n, _, _ in handed}), requests=len(handed),
                     error=_exc_line(err), detail="kept for the driver's RPC fetch", marked=marked, **self.where)
-
-    def _mark_unwritten(self, handed: Sequence[tuple[str, str, dict[str, Any]]]) -> int:
-        """Tell the driver that ``handed``'s answers will come by RPC only: an empty :data:`NOFILE_PREFIX` file per
-        answer in the handover folder (created, never over an existing entry, never through a link). Returns how
-        many were made; one that cannot be (the folder gone, no inodes left, a name above 255 bytes) leaves that
-        request's take to wait :data:`HANDOVER_WAIT_S` before it asks by RPC."""
-        d, made = self.handover_dir, 0
-        if d is None:
-            return 0
-        for name, cid, _ in handed:
-            try:
-                os.close(os.open(os.path.join(d, f"{NOFILE_PREFIX}{name}.{cid}"),
-                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-                made += 1
-            except OSError:
-                pass
-        return made
 
     def _fire(self, method: str, step: WorkerStep, deferred: bool | None = None) -> None:
         """Call ``method`` of the step's flagged contents' captures (``deferred``: only those whose
@@ -977,6 +962,38 @@ def _write_step_file(path: str, parts: Sequence[Any]) -> None:
         raise
 
 
+def _mark_no_file(d: str, handed: Sequence[tuple[str, str, Any]]) -> int:
+    """Tell the driver that the answers of ``handed`` (``(content, capture id, answer)``) come by RPC only: an empty
+    :data:`NOFILE_PREFIX` file per answer in the handover folder ``d`` (created new under a hidden name, never through
+    a link, then renamed into place). Returns how many were made; one that cannot be (the folder gone, no inodes left, a name above
+    255 bytes) leaves that request's take to wait :data:`HANDOVER_WAIT_S` before it asks by RPC."""
+    made = 0
+    for name, cid, _ in handed:
+        tmp = os.path.join(d, f".{NOFILE_PREFIX}{name}.{cid}")  # (a name the driver's scan does not look at)
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        except OSError:
+            continue
+        try:  # renamed into place, as a step file is: the rename is what wakes the driver's watch (IN_MOVED_TO)
+            os.rename(tmp, os.path.join(d, f"{NOFILE_PREFIX}{name}.{cid}"))
+            made += 1
+        except OSError:
+            _unlink(tmp)
+    return made
+
+
+def _write_step_file_or_mark(path: str, parts: Sequence[Any], handed: Sequence[tuple[str, str, Any]]) -> None:
+    """The writer thread's :func:`_write_step_file`: when it fails, the answers' markers (:func:`_mark_no_file`) are
+    made right away, not when the main thread reaps the write (the next step or RPC, which an idle engine may not
+    have for seconds); the main thread keeps the answers for the RPC fetch when it reaps, before any RPC verb is
+    served. Raises what the write raised."""
+    try:
+        _write_step_file(path, parts)
+    except BaseException:
+        _mark_no_file(os.path.dirname(path), handed)
+        raise
+
+
 def _write_all(fd: int, parts: Sequence[Any]) -> None:
     for p in parts:
         mv = memoryview(p)
@@ -1197,8 +1214,13 @@ class Handover:
         """A worker's :data:`NOFILE_PREFIX` marker ``n``: removed, and its answer known to come by RPC only
         (:meth:`no_file`), unless its request was dropped meanwhile (its tombstone goes: no file will come to
         discard)."""
-        if not _unlink(os.path.join(self.dir, n)):
+        path = os.path.join(self.dir, n)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
             return  # taken by another scan meanwhile
+        except OSError:  # not a worker's (a directory): removed all the same, never read
+            _remove_entry(path)
         k = n[len(NOFILE_PREFIX):]
         if k in self._dropped:
             del self._dropped[k]
@@ -1342,6 +1364,8 @@ class Handover:
             env = self._ready.pop(k, None)
         if env is not None:
             self.taken += 1
+            if self._by_rpc:  # (a worker that left both a file and a marker: the file's answer is the one)
+                self._by_rpc.pop(k, None)
         return env
 
     async def take(self, content: str, capture_id: str, wait_s: float | None = None) -> Mapping[str, Any] | None:
@@ -1374,6 +1398,8 @@ class Handover:
         fut = loop.create_future()
         deadline = loop.call_later(wait_s, _no_answer, fut)
         self._waiting.setdefault(k, []).append(fut)
+        if k in self._by_rpc:  # known to come by RPC since the check above (another thread's scan): no wait
+            self.no_file([k])
         self._progress = time.monotonic()  # a new wait: look often again
         self._watch_on(loop)
         poller = self._pollers.get(loop)
@@ -1495,22 +1521,22 @@ class Handover:
 
     def no_file(self, keys: Iterable[str]) -> None:
         """The workers kept the answers of ``keys`` (``"<content>.<capture id>"``) for the RPC fetch: their step
-        files could not be written (the folder was lost before the workers heard of this one), so none will come
-        here. Takes waiting for them end now (None: the fetch goes by RPC; on their own loop, whatever thread calls
+        files could not be written (the folder was lost before the workers heard of this one; or ``/dev/shm`` full:
+        a worker's :data:`NOFILE_PREFIX` marker, read by the scan), so none will come here. Takes waiting for them end now (None: the fetch goes by RPC; on their own loop, whatever thread calls
         this), later ones at once. Keys that cannot be this handover's (another content, an impossible capture id,
         not a string) are ignored; at most :data:`READY_MAX` are remembered."""
         for k in keys:
             content, _, cid = k.rpartition(".") if isinstance(k, str) else ("", "", "")
             if content not in self.contents or self.key(content, cid) != k:
                 continue  # not a key of this handover (a worker's answer is not trusted to be one)
-            waiters = self._waiting.pop(k, ())
-            for f in waiters:
-                _no_answer_threadsafe(f)
-            if waiters:
-                continue  # its take ends now; its fetch goes by RPC
+            # remembered first, then the waiting takes ended: a take registering its wait meanwhile (another
+            # thread's loop) finds the key here when it checks again (take); forgotten by the RPC fetch
+            # (fetched_by_rpc), a discard (drop), or the next take of the key
             self._by_rpc[k] = None
             while len(self._by_rpc) > READY_MAX:
                 self._by_rpc.popitem(last=False)
+            for f in self._waiting.pop(k, ()):
+                _no_answer_threadsafe(f)
 
     def fetched_by_rpc(self, content: str, capture_id: str) -> None:
         """``capture_id``'s answer of ``content`` came by the RPC fetch: forget that it would (:meth:`no_file`) and
