@@ -607,8 +607,10 @@ async def test_a_failed_threaded_write_keeps_its_rows_for_rpc_and_leaves_no_file
         run_request(w.model_runner, rid, cid)
         w.model_runner.execute_model(step(finished=[rid]))
     assert (await wx.fetch_capture(eng, "fake", "c1"))["rows"] == [5, 1, 1]  # reaped by the RPC, then fetched
-    # (c2's marker tells the driver that its answer comes by RPC only; no partial or temporary file)
-    assert list(rt.unwritten["fake"]) == ["c2"] and sorted(os.listdir(ho.dir)) == ["nofile.fake.c2", "token"]
+    # c2's marker (made by the writer thread when its write failed, read by c1's take or by this scan) tells the
+    # driver that c2's answer comes by RPC only; no partial or temporary file is left
+    assert list(rt.unwritten["fake"]) == ["c2"] and ho.files() == [] and list(ho._by_rpc) == ["fake.c2"]
+    assert os.listdir(ho.dir) == ["token"]
     await wx.discard_capture(eng, "fake", "c2")
     assert rt.unwritten["fake"] == {} and os.listdir(ho.dir) == ["token"] and not ho._by_rpc
     monkeypatch.undo()
@@ -956,6 +958,20 @@ async def test_a_threaded_write_that_fails_marks_its_answers_at_once(tmp_path, m
     got = await asyncio.wait_for(wx.fetch_capture(eng, "fake", "c1"), 20)
     assert got["rows"] == [5, 1, 1] and time.monotonic() - t0 < 5
     assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc and rt.unwritten["fake"] == {}
+    ho.close()
+
+
+def test_a_threaded_write_cancelled_before_it_ran_is_marked_when_reaped(tmp_path):
+    """A queued write of the writer thread that never ran (cancelled: the executor shut down) made no marker in the
+    thread: the main thread makes it when it reaps the write, and keeps the answer for the RPC fetch."""
+    import concurrent.futures
+
+    ho, w, rt, eng = handing_engine(tmp_path)
+    fut = concurrent.futures.Future()
+    assert fut.cancel()
+    rt._writes.append((fut, [("fake", "c1", {"found": {"rows": [1]}})]))
+    rt.reap_writes()
+    assert sorted(os.listdir(ho.dir)) == ["nofile.fake.c1", "token"] and list(rt.unwritten["fake"]) == ["c1"]
     ho.close()
 
 

@@ -421,7 +421,7 @@ class WorkerRuntime:
             try:
                 fut.result()
             except Exception as e:  # noqa: BLE001 - (_write_step_file's OSError, or a writer that could not run)
-                self._handed(handed, e, threaded=True)
+                self._handed(handed, e, threaded=not fut.cancelled())  # (a cancelled one never ran: unmarked)
             else:
                 self._handed(handed, None)
 
@@ -879,11 +879,6 @@ HANDOVER_POLL_MAX_S = 0.02
 #: (which releases the GIL), and a large file is read off the driver's event loop (:data:`STEP_INLINE_MAX`).
 STEP_MAGIC = b"GAHO"
 STEP_VERSION = 1
-#: an empty file ``nofile.<content>.<capture id>`` in the handover folder: the worker could not write that answer's
-#: step file (``/dev/shm`` full, an answer msgpack cannot hold) and keeps it for the RPC fetch, so the driver's take
-#: ends at once instead of waiting :data:`HANDOVER_WAIT_S` for a file that cannot come. An empty file needs no data
-#: blocks (a full tmpfs still makes it); where even that fails, the take waits as before.
-NOFILE_PREFIX = "nofile."
 STEP_BLOB_EXT = 1
 STEP_BLOB_MIN = 4096
 #: step files up to this many bytes are read on the driver's event loop; larger ones by the handover's reader thread
@@ -901,6 +896,11 @@ STEP_HEADER_MAX = 64 << 20
 _STEP_PREFIX = struct.Struct("<4sB3xQ")
 _BLOB_LEN = struct.Struct("<Q")
 _LIFT_DEPTH = 32
+#: an empty file ``nofile.<content>.<capture id>`` in the handover folder: the worker could not write that answer's
+#: step file (``/dev/shm`` full, an answer msgpack cannot hold) and keeps it for the RPC fetch, so the driver's take
+#: ends at once instead of waiting :data:`HANDOVER_WAIT_S` for a file that cannot come. An empty file needs no data
+#: blocks (a full tmpfs still makes it); where even that fails, the take waits as before.
+NOFILE_PREFIX = "nofile."
 
 
 def step_file_parts(entries: Mapping[str, Any]) -> list[Any]:
@@ -964,9 +964,10 @@ def _write_step_file(path: str, parts: Sequence[Any]) -> None:
 
 def _mark_no_file(d: str, handed: Sequence[tuple[str, str, Any]]) -> int:
     """Tell the driver that the answers of ``handed`` (``(content, capture id, answer)``) come by RPC only: an empty
-    :data:`NOFILE_PREFIX` file per answer in the handover folder ``d`` (created new under a hidden name, never through
-    a link, then renamed into place). Returns how many were made; one that cannot be (the folder gone, no inodes left, a name above
-    255 bytes) leaves that request's take to wait :data:`HANDOVER_WAIT_S` before it asks by RPC."""
+    :data:`NOFILE_PREFIX` file per answer in the handover folder ``d`` (created new under a hidden name, never
+    through a link, then renamed into place). Returns how many were made; one that cannot be (the folder gone, no
+    inodes left, a name above 255 bytes) leaves that request's take to wait :data:`HANDOVER_WAIT_S` before it asks
+    by RPC."""
     made = 0
     for name, cid, _ in handed:
         tmp = os.path.join(d, f".{NOFILE_PREFIX}{name}.{cid}")  # (a name the driver's scan does not look at)
@@ -1522,9 +1523,10 @@ class Handover:
     def no_file(self, keys: Iterable[str]) -> None:
         """The workers kept the answers of ``keys`` (``"<content>.<capture id>"``) for the RPC fetch: their step
         files could not be written (the folder was lost before the workers heard of this one; or ``/dev/shm`` full:
-        a worker's :data:`NOFILE_PREFIX` marker, read by the scan), so none will come here. Takes waiting for them end now (None: the fetch goes by RPC; on their own loop, whatever thread calls
-        this), later ones at once. Keys that cannot be this handover's (another content, an impossible capture id,
-        not a string) are ignored; at most :data:`READY_MAX` are remembered."""
+        a worker's :data:`NOFILE_PREFIX` marker, read by the scan), so none will come here. Takes waiting for them
+        end now (None: the fetch goes by RPC; on their own loop, whatever thread calls this), later ones at once.
+        Keys that cannot be this handover's (another content, an impossible capture id, not a string) are ignored; at
+        most :data:`READY_MAX` are remembered."""
         for k in keys:
             content, _, cid = k.rpartition(".") if isinstance(k, str) else ("", "", "")
             if content not in self.contents or self.key(content, cid) != k:
