@@ -961,6 +961,13 @@ async def test_a_threaded_write_that_fails_marks_its_answers_at_once(tmp_path, m
     ho.close()
 
 
+def _no_space(src, dst):
+    """``os.replace`` on a full ``/dev/shm``."""
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def test_a_threaded_write_cancelled_before_it_ran_is_marked_when_reaped(tmp_path):
     """A queued write of the writer thread that never ran (cancelled: the executor shut down) made no marker in the
     thread: the main thread makes it when it reaps the write, and keeps the answer for the RPC fetch."""
@@ -979,14 +986,13 @@ async def test_a_fetch_cancelled_after_a_marker_then_discarded_leaves_nothing(tm
     """A fetch waits; the write fails (marker); the client goes (the fetch is cancelled) and the request is
     discarded before any scan: no marker, mark, tombstone or kept answer is left on either side."""
     import asyncio
-    import errno
 
     import genartifact.engine.worker_ext as wx
 
     monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
     monkeypatch.setattr(wx, "HANDOVER_POLL_MAX_S", 30.0)
     ho, w, rt, eng = handing_engine(tmp_path)
-    monkeypatch.setattr(wx.os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(wx.os, "replace", _no_space)
     run_request(w.model_runner, "r1", "c1")
     fetch = asyncio.ensure_future(wx.fetch_capture(eng, "fake", "c1"))
     await asyncio.sleep(0.05)
@@ -1003,7 +1009,6 @@ async def test_a_marker_read_by_another_threads_scan_while_a_take_starts_waiting
     """A take has found neither an answer nor a mark, and before it registers its wait another thread's scan reads
     the request's marker: the take sees the mark once registered and does not wait HANDOVER_WAIT_S."""
     import asyncio
-    import errno
     import threading
     import time
 
@@ -1011,7 +1016,7 @@ async def test_a_marker_read_by_another_threads_scan_while_a_take_starts_waiting
 
     monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 60.0)
     ho, w, rt, eng = handing_engine(tmp_path)
-    monkeypatch.setattr(wx.os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(wx.os, "replace", _no_space)
     run_request(w.model_runner, "r1", "c1")
     real_check, fired = ho.check_folder, []
 
