@@ -584,12 +584,18 @@ def test_the_idle_wait_accounts_for_finished_writes(tmp_path):
     ho.close()
 
 
+def _no_space(src, dst):
+    """``os.replace`` on a full ``/dev/shm``."""
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 @pytest.mark.fault("worker", "/dev/shm full while the writer thread writes a step file")
 async def test_a_failed_threaded_write_keeps_its_rows_for_rpc_and_leaves_no_file(tmp_path, monkeypatch):
     """The writer thread's write fails (``/dev/shm`` full): nothing of it stays in the folder, its requests'
     answers are kept for the RPC fetch, which gets them unchanged; a discard drops them; the folder switched
     off meanwhile waits for a write under way first."""
-    import errno
     import threading
 
     import genartifact.engine.worker_ext as wx
@@ -599,10 +605,7 @@ async def test_a_failed_threaded_write_keeps_its_rows_for_rpc_and_leaves_no_file
     w._genartifact_runtime = rt
     _dispatch(w, "handover_writer", 0)
 
-    def full(src, dst):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(wx.os, "replace", full)
+    monkeypatch.setattr(wx.os, "replace", _no_space)
     for rid, cid in (("r1", "c1"), ("r2", "c2")):
         run_request(w.model_runner, rid, cid)
         w.model_runner.execute_model(step(finished=[rid]))
@@ -938,7 +941,6 @@ async def test_a_threaded_write_that_fails_marks_its_answers_at_once(tmp_path, m
     is idle): the thread itself leaves the markers, so the fetch goes by RPC at once instead of waiting
     HANDOVER_WAIT_S for the next step or RPC to reap the failed write; nothing is left afterwards."""
     import asyncio
-    import errno
     import time
 
     import genartifact.engine.worker_ext as wx
@@ -948,10 +950,7 @@ async def test_a_threaded_write_that_fails_marks_its_answers_at_once(tmp_path, m
     w._genartifact_runtime = rt
     _dispatch(w, "handover_writer", 0)  # every step file through the writer thread
 
-    def full(src, dst):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(wx.os, "replace", full)
+    monkeypatch.setattr(wx.os, "replace", _no_space)
     run_request(w.model_runner, "r1", "c1")
     w.model_runner.execute_model(step(finished=["r1"]))  # the write fails in the thread; no step reaps it
     t0 = time.monotonic()
@@ -959,13 +958,6 @@ async def test_a_threaded_write_that_fails_marks_its_answers_at_once(tmp_path, m
     assert got["rows"] == [5, 1, 1] and time.monotonic() - t0 < 5
     assert os.listdir(ho.dir) == ["token"] and not ho._by_rpc and rt.unwritten["fake"] == {}
     ho.close()
-
-
-def _no_space(src, dst):
-    """``os.replace`` on a full ``/dev/shm``."""
-    import errno
-
-    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_a_threaded_write_cancelled_before_it_ran_is_marked_when_reaped(tmp_path):
@@ -1043,7 +1035,6 @@ async def test_a_step_file_that_cannot_be_written_ends_the_drivers_wait_at_once(
     are consumed, a discard of a marked request leaves nothing behind on either side, and marker names that are
     not a capture's are removed without effect."""
     import asyncio
-    import errno
     import time
 
     import genartifact.engine.worker_ext as wx
@@ -1052,10 +1043,7 @@ async def test_a_step_file_that_cannot_be_written_ends_the_drivers_wait_at_once(
     ho, w, rt, eng = handing_engine(tmp_path)
     real_replace = wx.os.replace
 
-    def full(src, dst):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(wx.os, "replace", full)
+    monkeypatch.setattr(wx.os, "replace", _no_space)
     run_request(w.model_runner, "r1", "c1")
     w.model_runner.execute_model(step(finished=["r1"]))
     assert sorted(os.listdir(ho.dir)) == ["nofile.fake.c1", "token"]

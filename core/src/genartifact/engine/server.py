@@ -71,7 +71,8 @@ class Metrics:
                                  registry=r)
         self.bytes = Counter("genartifact_artifact_bytes", "Bytes of delivered artifacts", registry=r)
         self.finalize = Histogram("genartifact_finalize_seconds", "Collect + encode + deliver latency (seconds)",
-                                  registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+                                  registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                                       2.5, 5, 10, 30))
         self.slots = Gauge("genartifact_pipeline_slots_in_use", "Encode+deliver slots in use", registry=r)
         self.slots_peak = Gauge("genartifact_pipeline_slots_in_use_peak", "Peak encode+deliver slots in use",
                                 registry=r)

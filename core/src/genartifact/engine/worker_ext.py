@@ -970,13 +970,14 @@ def _mark_no_file(d: str, handed: Sequence[tuple[str, str, Any]]) -> int:
     by RPC."""
     made = 0
     for name, cid, _ in handed:
-        tmp = os.path.join(d, f".{NOFILE_PREFIX}{name}.{cid}")  # (a name the driver's scan does not look at)
+        final = os.path.join(d, f"{NOFILE_PREFIX}{name}.{cid}")
+        tmp = os.path.join(d, "." + os.path.basename(final))  # (a name the driver's scan does not look at)
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         except OSError:
             continue
         try:  # renamed into place, as a step file is: the rename is what wakes the driver's watch (IN_MOVED_TO)
-            os.rename(tmp, os.path.join(d, f"{NOFILE_PREFIX}{name}.{cid}"))
+            os.rename(tmp, final)
             made += 1
         except OSError:
             _unlink(tmp)
