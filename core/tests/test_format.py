@@ -326,6 +326,32 @@ def test_reader_rejects_non_canonical_manifest():
 
 
 @pytest.mark.fault("reader", "non-zero padding bytes")
+@pytest.mark.parametrize("obj", [
+    {"b": 1, "a": [1.5, None, True, "\u00e9\u2603\U0001f600"], "c": {"z": -0.0, "y": 10**30, "x": 1e-300}},
+    {"": [], "\u00ff": {"\n": "\x00\x1f\"\\"}, "1": False, "10": 2, "2": 3},
+    ["x", 3, [[]], {}], "a\u2028b", 7, None, 1.0000000000000002,
+])
+def test_canonical_json_is_json_dumps_with_the_canonical_options(obj):
+    """The shared encoder gives exactly what ``json.dumps`` with the documented options gives (sorted keys at
+    every level, no whitespace, ASCII escapes, shortest float repr), so no stored manifest changes."""
+    want = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    assert fmt.canonical_json(obj) == want
+
+
+@pytest.mark.parametrize("bad", [float("nan"), {"a": float("inf")}, {"a": object()}, {1: {"b": -float("inf")}}])
+def test_canonical_json_refuses_what_json_cannot_carry(bad):
+    with pytest.raises(ArtifactFormatError, match="not representable in canonical JSON"):
+        fmt.canonical_json(bad)
+
+
+def test_canonical_json_refuses_a_cycle_and_stays_usable():
+    cyclic: dict = {}
+    cyclic["self"] = cyclic
+    with pytest.raises(ArtifactFormatError, match="not representable"):
+        fmt.canonical_json(cyclic)
+    assert fmt.canonical_json({"b": 1, "a": 2}) == b'{"a":2,"b":1}'  # no state left behind by the failure
+
+
 def test_reader_rejects_nonzero_padding():
     body = _body(GOOD)
     (mlen,) = struct.unpack_from("<I", body, 0)

@@ -621,6 +621,57 @@ def test_target_cache_compares_types_not_just_equality(monkeypatch):
             genartifact_storage_target("managed_fsspec", settings)
 
 
+@pytest.mark.fault("managed", "target cache: settings changed in place to equal values of other types or order")
+@pytest.mark.parametrize("change", ["list_to_tuple", "int_to_float", "reordered", "str_subclass", "same_again"])
+def test_target_cache_reparses_any_change_the_pickle_shows(monkeypatch, change):
+    """Plain settings (the usual TOML table) are compared by their pickle: every in-place change that ``_same``
+    would catch (a list made an equal tuple, an int an equal float, keys reordered, a str subclass) parses again;
+    writing back an identical value keeps the target."""
+    import genartifact_fsspec_target as mod
+
+    monkeypatch.delenv(mod.ENV_PROFILES, raising=False)
+    prof = {"url": "memory://x", "allowed_prefixes": ["runs/"], "timeout_s": 60}
+    settings = {"profiles": {"a": prof}}
+    t1 = mod.genartifact_storage_target("managed_fsspec", settings)
+    assert mod._LAST_TARGET is not None and mod._LAST_TARGET[2] is not None  # the plain snapshot's pickle is kept
+    assert mod.genartifact_storage_target("managed_fsspec", settings) is t1
+
+    class S(str):
+        pass
+
+    if change == "list_to_tuple":
+        prof["allowed_prefixes"] = ("runs/",)
+    elif change == "int_to_float":
+        prof["timeout_s"] = 60.0
+    elif change == "reordered":
+        settings["profiles"]["a"] = {k: prof[k] for k in reversed(list(prof))}
+    elif change == "str_subclass":
+        prof["url"] = S("memory://x")
+    else:
+        prof["allowed_prefixes"] = ["runs/"]  # a new, equal list: same bytes
+    if change == "list_to_tuple":  # parsed again, and refused: the parse wants a list
+        with pytest.raises(ConfigError, match="allowed_prefixes must be a non-empty list"):
+            mod.genartifact_storage_target("managed_fsspec", settings)
+        return
+    t2 = mod.genartifact_storage_target("managed_fsspec", settings)
+    assert (t2 is t1) == (change == "same_again")
+    assert sorted(t2.profiles) == ["a"]
+
+
+def test_target_cache_of_settings_that_are_not_plain_compares_by_walking(monkeypatch):
+    """A snapshot holding other types (here bytes in storage_options) keeps no pickle: ``_same`` decides."""
+    import genartifact_fsspec_target as mod
+
+    monkeypatch.delenv(mod.ENV_PROFILES, raising=False)
+    settings = {"profiles": {"a": {"url": "memory://x", "allowed_prefixes": ["runs/"],
+                                   "storage_options": {"k": b"3"}}}}
+    t1 = mod.genartifact_storage_target("managed_fsspec", settings)
+    assert mod._LAST_TARGET is not None and mod._LAST_TARGET[2] is None
+    assert mod.genartifact_storage_target("managed_fsspec", settings) is t1
+    settings["profiles"]["a"]["storage_options"]["k"] = b"4"
+    assert mod.genartifact_storage_target("managed_fsspec", settings) is not t1
+
+
 @pytest.mark.fault("managed", "target cache: working directory changed (relative profile url)")
 def test_target_cache_follows_the_working_directory(tmp_path, monkeypatch):
     from genartifact_fsspec_target import ENV_PROFILES, genartifact_storage_target

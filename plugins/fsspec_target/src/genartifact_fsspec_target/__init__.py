@@ -55,6 +55,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import tempfile
 import threading
@@ -1060,7 +1061,36 @@ def open_object(profile: Profile, key: str) -> bytes:
 # GENARTIFACT_STORAGE_PROFILES and the working directory (relative profile urls resolve against it). The
 # snapshot is taken before parsing and is what gets parsed, so a settings object changed meanwhile (another
 # thread) cannot pair a new copy with a target of old settings. The target itself holds nothing per request.
-_LAST_TARGET: tuple[Any, Any, str | None, str, ManagedFsspecTarget] | None = None
+# A snapshot of plain JSON-like values only (the usual TOML table) is also kept as its pickle: comparing the live
+# settings' pickle with it is the same exact check (pickle writes each value's type: True, 1 and 1.0 differ; dict
+# order and every key and value are in it) at 0.6 us instead of 7 us for the walk of :func:`_same` (2026-12-05
+# AMX box). Anything else in the live settings (another type, an object that cannot be pickled) gives other
+# bytes or an error: parse again.
+_LAST_TARGET: tuple[Any, Any, bytes | None, str | None, str, ManagedFsspecTarget] | None = None
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    """``v`` is made only of exact ``dict`` (string keys), ``list``, ``tuple`` and scalars of exact type ``str``,
+    ``int``, ``float``, ``bool`` or ``None``, at most 64 levels deep: values whose pickle says all of them."""
+    t = type(v)
+    if t in _PLAIN_SCALARS:
+        return True
+    if depth > 64:
+        return False
+    if t is dict:
+        return all(type(k) is str and _plain(x, depth + 1) for k, x in v.items())
+    if t is list or t is tuple:
+        return all(_plain(x, depth + 1) for x in v)
+    return False
+
+
+def _fingerprint(snapshot: Any) -> bytes | None:
+    """The pickle of a plain ``snapshot`` (:func:`_plain`), else None (compare with :func:`_same`)."""
+    try:
+        return pickle.dumps(snapshot, protocol=5) if _plain(snapshot) else None
+    except Exception:  # noqa: BLE001 - e.g. a recursion limit: compare the slow way
+        return None
 
 
 def _same(a: Any, b: Any, depth: int = 0) -> bool:
@@ -1089,10 +1119,10 @@ def genartifact_storage_target(kind: str, settings: Mapping[str, Any]) -> Manage
         _LAST_TARGET = None
         return ManagedFsspecTarget(parse_profiles(settings, env_profiles=env))
     last = _LAST_TARGET
-    if last is not None and last[0] is settings and last[2] == env and last[3] == cwd:
+    if last is not None and last[0] is settings and last[3] == env and last[4] == cwd:
         try:
-            if _same(last[1], settings):
-                return last[4]
+            if (pickle.dumps(settings, protocol=5) == last[2] if last[2] is not None else _same(last[1], settings)):
+                return last[5]
         except Exception:  # noqa: BLE001 - a settings object changing while compared (another thread): parse
             pass
     try:
@@ -1101,7 +1131,7 @@ def genartifact_storage_target(kind: str, settings: Mapping[str, Any]) -> Manage
         _LAST_TARGET = None
         return ManagedFsspecTarget(parse_profiles(settings, Path(cwd), env_profiles=env))
     target = ManagedFsspecTarget(parse_profiles(snapshot, Path(cwd), env_profiles=env))
-    _LAST_TARGET = (settings, snapshot, env, cwd, target)
+    _LAST_TARGET = (settings, snapshot, _fingerprint(snapshot), env, cwd, target)
     return target
 
 
