@@ -935,6 +935,44 @@ async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_fil
     ho.close()
 
 
+@pytest.mark.fault("worker", "/dev/shm full for many steps: one warning per interval, not one per step")
+async def test_a_persistently_full_handover_folder_logs_once_per_interval_then_recovery(tmp_path, monkeypatch):
+    """Every step file fails (/dev/shm full): the first failure is a warning at once, the next ones inside
+    HANDOVER_FAIL_LOG_S are counted, not logged; the next line after the interval says how many steps and requests
+    it stood for; the first successful write afterwards logs ``worker_handover_recovered`` once, with the totals.
+    The answers themselves all come through the RPC fetch unchanged."""
+    import genartifact.engine.worker_ext as wx
+    import structlog
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.01)
+    monkeypatch.setattr(wx, "HANDOVER_FAIL_LOG_S", 3600.0)
+    ho, w, rt, eng = handing_engine(tmp_path)
+    real_replace = wx.os.replace
+    monkeypatch.setattr(wx.os, "replace", _no_space)
+
+    def finish(rid, cid):
+        run_request(w.model_runner, rid, cid)
+        w.model_runner.execute_model(step(finished=[rid]))
+
+    with structlog.testing.capture_logs() as logs:
+        for i in range(3):
+            finish(f"r{i}", f"c{i}")
+        monkeypatch.setattr(wx, "HANDOVER_FAIL_LOG_S", 0.0)  # the interval is over
+        finish("r3", "c3")
+        monkeypatch.setattr(wx.os, "replace", real_replace)
+        finish("r4", "c4")
+        finish("r5", "c5")
+    lines = [(x["event"], x.get("suppressed_steps"), x.get("suppressed_requests"), x.get("unwritten_steps"),
+              x.get("unwritten_requests")) for x in logs if x["event"].startswith("worker_handover_")]
+    assert lines == [("worker_handover_unwritten", 0, 0, None, None),
+                     ("worker_handover_unwritten", 2, 2, None, None),
+                     ("worker_handover_recovered", None, None, 4, 4)]
+    for i in range(4):
+        assert (await wx.fetch_capture(eng, "fake", f"c{i}"))["rows"] == [5, 1, 1]
+    assert rt.unwritten["fake"] == {} and sorted(ho.files()) == ["fake.c4", "fake.c5"]
+    ho.close()
+
+
 @pytest.mark.fault("worker", "handover folder full under the writer thread, engine idle afterwards")
 async def test_a_threaded_write_that_fails_marks_its_answers_at_once(tmp_path, monkeypatch):
     """A step file of the writer thread fails (a long request's file, /dev/shm full) and no step follows (the engine

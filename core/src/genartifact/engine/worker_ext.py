@@ -43,6 +43,7 @@ import functools
 import os
 import re
 import struct
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -237,6 +238,11 @@ class WorkerRuntime:
         #: content -> capture id -> fetch answer whose handover file could not be written (folder full or gone):
         #: kept for the driver's RPC fetch (which comes when no file came in time), dropped by discard
         self.unwritten: dict[str, dict[str, dict[str, Any]]] = {}
+        #: step files that could not be written since the last ``worker_handover_unwritten`` line, and when that
+        #: line was logged (``time.monotonic``; None: writes are not failing): see :meth:`_log_unwritten`
+        self._unwritten_quiet = {"steps": 0, "requests": 0}
+        self._unwritten_logged: float | None = None
+        self._unwritten_total = {"steps": 0, "requests": 0}
         if self.capturing:
             settings = self.config["settings"]
             for cap in self.host.hooks.worker_captures(worker=worker, settings=settings):
@@ -433,13 +439,39 @@ class WorkerRuntime:
             for name, cid, _ in handed:
                 self.handover_written += 1
                 self._bury(name, cid, "handed_over")
+            if self._unwritten_logged is not None:  # writing again after failures: said once
+                log.info("worker_handover_recovered", unwritten_steps=self._unwritten_total["steps"],
+                         unwritten_requests=self._unwritten_total["requests"], **self.where)
+                self._unwritten_logged = None
+                self._unwritten_quiet = {"steps": 0, "requests": 0}
+                self._unwritten_total = {"steps": 0, "requests": 0}
             return
         for name, cid, env in handed:
             self.unwritten[name][cid] = env
         # (a threaded write that failed made its markers in the writer thread already, at once: not made twice)
         marked = None if threaded or self.handover_dir is None else _mark_no_file(self.handover_dir, handed)
+        self._log_unwritten(handed, err, marked)
+
+    def _log_unwritten(self, handed: Sequence[tuple[str, str, dict[str, Any]]], err: BaseException,
+                       marked: Any) -> None:
+        """``worker_handover_unwritten`` (warning) for the first step file that could not be written, then at most
+        one line per :data:`HANDOVER_FAIL_LOG_S` while writes keep failing (a full ``/dev/shm`` fails every step
+        with a finishing request: a line per step flooded the log), each saying how many steps and requests
+        failed since the line before (``suppressed_steps``, ``suppressed_requests``); ``worker_handover_recovered``
+        (info, with the totals) once the next write succeeds."""
+        quiet, total = self._unwritten_quiet, self._unwritten_total
+        total["steps"] += 1
+        total["requests"] += len(handed)
+        now = time.monotonic()
+        if self._unwritten_logged is not None and now - self._unwritten_logged < HANDOVER_FAIL_LOG_S:
+            quiet["steps"] += 1
+            quiet["requests"] += len(handed)
+            return
         log.warning("worker_handover_unwritten", contents=sorted({n for n, _, _ in handed}), requests=len(handed),
-                    error=_exc_line(err), detail="kept for the driver's RPC fetch", marked=marked, **self.where)
+                    error=_exc_line(err), detail="kept for the driver's RPC fetch", marked=marked,
+                    suppressed_steps=quiet["steps"], suppressed_requests=quiet["requests"], **self.where)
+        self._unwritten_logged = now
+        self._unwritten_quiet = {"steps": 0, "requests": 0}
 
     def _fire(self, method: str, step: WorkerStep, deferred: bool | None = None) -> None:
         """Call ``method`` of the step's flagged contents' captures (``deferred``: only those whose
@@ -860,6 +892,9 @@ def init_config(host: Any) -> dict[str, Any]:
 
 
 HANDOVER_WAIT_S = 5.0  # how long fetch_capture waits for a handover file before asking the workers by RPC
+#: while a worker's step files keep failing (``/dev/shm`` full), at most one ``worker_handover_unwritten`` line per
+#: this many seconds (the first failure is logged at once; the lines count the failures in between)
+HANDOVER_FAIL_LOG_S = 30.0
 #: how often the takes waiting for step files look for them where the folder cannot be watched (no inotify): one
 #: scan of the folder per period for all of them (a step file comes within about one engine step of the request's
 #: last output, a few ms), the period HANDOVER_POLL_S after a new wait or a found answer, doubling after each scan
