@@ -27,11 +27,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pluggy
 import structlog
 
 from genartifact.errors import (
     AdmissionError,
+    ArtifactFormatError,
     CaptureError,
     ConfigError,
     DeliveryError,
@@ -42,7 +44,9 @@ from genartifact.errors import (
     TargetError,
     UnknownPluginError,
 )
+from genartifact.format import TensorPart, canonical_json
 from genartifact.hookspecs import ALL_SPECS, PROJECT
+from genartifact.types import ValidatedTarget
 
 log = structlog.get_logger("genartifact.host")
 
@@ -205,9 +209,6 @@ def content_section_bytes(section: Any) -> int | None:
     """Bytes a content's manifest ``section`` adds to the decoded artifact (its canonical JSON, as the encoder
     writes it), or None when it is not JSON-compatible. This plus the content's tensor ``nbytes`` is what
     ``admit()`` bounds (the one over-admission rule, checked in :meth:`GuardedProducer.finalize`)."""
-    from genartifact.errors import ArtifactFormatError
-    from genartifact.format import canonical_json
-
     try:
         return len(canonical_json(section))
     except ArtifactFormatError:
@@ -278,10 +279,6 @@ class GuardedProducer:
         await acall_plugin(self.info, "collect", self.inner.collect, final, expected=(CaptureError,))
 
     def finalize(self, final: Any) -> tuple[dict[str, Any], list[Any]]:
-        import numpy as np
-
-        from genartifact.format import TensorPart
-
         res = call_plugin(self.info, "finalize", self.inner.finalize, final, expected=(CaptureError,))
         if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], dict) and isinstance(res[1], list)):
             raise fault(self.info, "finalize", problem=f"returned {type(res).__name__}; expected (dict section, "
@@ -344,8 +341,6 @@ class GuardedTarget:
         return f"GuardedTarget({self.kind!r}, {self.info.label() if self.info else '?'})"
 
     def validate(self, spec: Mapping[str, Any]) -> Any:
-        from genartifact.types import ValidatedTarget
-
         vt = call_plugin(self.info, "validate", self.inner.validate, spec, expected=(TargetError,))
         if not isinstance(vt, ValidatedTarget):
             raise fault(self.info, "validate", problem=f"returned {type(vt).__name__}; expected ValidatedTarget")
@@ -442,8 +437,6 @@ class GuardedReader:
         return f"GuardedReader({self.name!r}, {self.info.label() if self.info else '?'})"
 
     def validate(self, manifest: Mapping[str, Any], section: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:
-        from genartifact.errors import ArtifactFormatError
-
         call_plugin(self.info, "validate", self.inner.validate, manifest, section, tensors,
                     expected=(ArtifactFormatError,))
 

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import structlog
 
 from genartifact import format as fmt
@@ -398,8 +399,6 @@ class ArtifactSession:
             tensors.extend(parts)
         tokens = array.array("I", self._prompt or [])
         tokens.extend(self._completion)
-        import numpy as np
-
         self._readers = {p.name: r for p in self._producers if (r := self.host.reader(p.name)) is not None}
         return fmt.ArtifactInput(
             token_ids=np.frombuffer(tokens, dtype="<u4") if tokens else np.zeros(0, "<u4"),
@@ -553,8 +552,6 @@ def _encodes_inline(inp: fmt.ArtifactInput, budget: int) -> bool:
     admitted worst case ``budget`` (decoded bytes) when it is at most that and the token ids and tensors are
     exact numpy arrays (whose ``nbytes`` the producers' guard checked against the admission): nothing to walk.
     Otherwise by :func:`_input_nbytes`, which stops counting at the limit."""
-    import numpy as np
-
     if budget <= INLINE_ENCODE_BYTES and type(inp.token_ids) is np.ndarray and all(
             type(getattr(t, "array", None)) is np.ndarray for t in inp.tensors):
         return True
@@ -567,8 +564,6 @@ def _input_nbytes(inp: fmt.ArtifactInput, limit: int = INLINE_ENCODE_BYTES) -> i
     cost is bounded whatever the input (a 60 MB section is not walked, let alone serialized, on the event loop).
     Anything whose size is not plain (a non-array token list or tensor) counts as over the limit: the thread
     encodes it."""
-    import numpy as np
-
     tok = inp.token_ids
     n = tok.nbytes if type(tok) is np.ndarray else (4 * len(tok) if type(tok) in (list, tuple) else limit + 1)
     for t in inp.tensors:
