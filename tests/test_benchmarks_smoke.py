@@ -28,7 +28,9 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_capture_overhead.py": (True, r"^RATIO capture on / off \(plain engine\): median-of-rounds \d"),
     "bench_compression.py": (False, r"^RATIO entropy bound / router-major zstd-1 bytes .*: \d"),
     "bench_decode.py": (False, r"^RATIO decode \(digest inline\) / raw SHA-256 \+ zstd .*median-of-rounds \d"),
-    "bench_driver_request.py": (True, r"^RATIO driver CPU per request, artifact path / bare .*median-of-rounds \d"),
+    "bench_driver_request.py": (True, r"^  receipts within a wave of \d+ .*: first [\d.]+ ms, middle [\d.]+ ms, last "
+                                      r"[\d.]+ ms(?s:.*)^RATIO driver CPU per request, artifact path / bare "
+                                      r".*median-of-rounds \d"),
     "bench_encode.py": (False, r"^RATIO encode / raw zstd-1 \+ sha256 .*median-of-rounds \d"),
     "bench_fpm.py": (True, r"^RATIO FPM instrumented / stock scheduler .*median-of-rounds \d"),
     "bench_fpm_fit.py": (True, r"^decode .* run B off-grid: "),
