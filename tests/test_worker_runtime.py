@@ -935,12 +935,63 @@ async def test_full_handover_folder_keeps_rows_for_rpc_and_leaves_no_partial_fil
     ho.close()
 
 
-@pytest.mark.fault("worker", "/dev/shm full for many steps: one warning per interval, not one per step")
-async def test_a_persistently_full_handover_folder_logs_once_per_interval_then_recovery(tmp_path, monkeypatch):
-    """Every step file fails (/dev/shm full): the first failure is a warning at once, the next ones inside
-    HANDOVER_FAIL_LOG_S are counted, not logged; the next line after the interval says how many steps and requests
-    it stood for; the first successful write afterwards logs ``worker_handover_recovered`` once, with the totals.
-    The answers themselves all come through the RPC fetch unchanged."""
+@pytest.mark.fault("worker", "/dev/shm full for many steps: one warning per interval and cause, not one per step")
+async def test_a_persistently_full_handover_folder_logs_once_per_interval_and_cause(tmp_path, monkeypatch):
+    """Step files keep failing: the first failure of each cause (a full /dev/shm; an answer the step file cannot
+    hold, a plugin's bug) is a warning at once with its own error, later ones of that cause inside
+    HANDOVER_FAIL_LOG_S are counted, not logged; the next line after the interval says how many it stood for; a
+    successful write HANDOVER_FAIL_LOG_S after the last failure ends the episode with one
+    ``worker_handover_recovered`` line and its totals. Every answer still comes through the RPC fetch unchanged."""
+    import genartifact.engine.worker_ext as wx
+    import structlog
+
+    monkeypatch.setattr(wx, "HANDOVER_WAIT_S", 0.01)
+    monkeypatch.setattr(wx, "HANDOVER_FAIL_LOG_S", 3600.0)
+    ho, w, rt, eng = handing_engine(tmp_path)
+    real_replace, real_step_file = wx.os.replace, wx._step_file
+
+    def unserializable(entries):
+        raise TypeError("can not serialize 'Tensor' object")
+
+    def finish(i):
+        run_request(w.model_runner, f"r{i}", f"c{i}")
+        w.model_runner.execute_model(step(finished=[f"r{i}"]))
+
+    with structlog.testing.capture_logs() as logs:
+        monkeypatch.setattr(wx.os, "replace", _no_space)
+        for i in range(3):
+            finish(i)
+        monkeypatch.setattr(wx.os, "replace", real_replace)
+        monkeypatch.setattr(wx, "_step_file", unserializable)
+        finish(3)
+        finish(4)
+        monkeypatch.setattr(wx, "_step_file", real_step_file)
+        monkeypatch.setattr(wx.os, "replace", _no_space)
+        monkeypatch.setattr(wx, "HANDOVER_FAIL_LOG_S", 0.0)  # the interval is over
+        finish(5)
+        monkeypatch.setattr(wx.os, "replace", real_replace)
+        finish(6)
+        finish(7)
+    lines = [(x["event"], x.get("error", "")[:7], x.get("suppressed_steps"), x.get("unwritten_steps"),
+              x.get("unreported_steps")) for x in logs if x["event"].startswith("worker_handover_")]
+    assert lines == [("worker_handover_unwritten", "OSError", 0, None, None),
+                     ("worker_handover_unwritten", "TypeErr", 0, None, None),
+                     ("worker_handover_unwritten", "OSError", 2, None, None),
+                     ("worker_handover_recovered", "", None, 6, 1)]  # (the 2nd TypeError: never reported alone)
+    for i in range(6):
+        assert (await wx.fetch_capture(eng, "fake", f"c{i}"))["rows"] == [5, 1, 1]
+    assert rt.unwritten["fake"] == {} and sorted(ho.files()) == ["fake.c6", "fake.c7"]
+    assert rt.call("fake.stats", [])["unwritten_steps"] == 6
+    ho.close()
+
+
+@pytest.mark.fault("worker", "/dev/shm nearly full: every other step file fails")
+async def test_flapping_step_file_writes_log_once_and_summarize_when_the_folder_changes(tmp_path, monkeypatch):
+    """Failures and successes alternate (small files fit, larger ones do not): one warning, no "recovered" line
+    per success (the failures have not stopped), the counts in ``stats``; switching the handover folder ends the
+    episode with one summary line (nothing counted is left unreported)."""
+    import errno
+
     import genartifact.engine.worker_ext as wx
     import structlog
 
@@ -948,28 +999,26 @@ async def test_a_persistently_full_handover_folder_logs_once_per_interval_then_r
     monkeypatch.setattr(wx, "HANDOVER_FAIL_LOG_S", 3600.0)
     ho, w, rt, eng = handing_engine(tmp_path)
     real_replace = wx.os.replace
-    monkeypatch.setattr(wx.os, "replace", _no_space)
+    calls = [0]
 
-    def finish(rid, cid):
-        run_request(w.model_runner, rid, cid)
-        w.model_runner.execute_model(step(finished=[rid]))
+    def every_other(src, dst):
+        calls[0] += 1
+        if calls[0] % 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
 
+    monkeypatch.setattr(wx.os, "replace", every_other)
     with structlog.testing.capture_logs() as logs:
-        for i in range(3):
-            finish(f"r{i}", f"c{i}")
-        monkeypatch.setattr(wx, "HANDOVER_FAIL_LOG_S", 0.0)  # the interval is over
-        finish("r3", "c3")
-        monkeypatch.setattr(wx.os, "replace", real_replace)
-        finish("r4", "c4")
-        finish("r5", "c5")
-    lines = [(x["event"], x.get("suppressed_steps"), x.get("suppressed_requests"), x.get("unwritten_steps"),
-              x.get("unwritten_requests")) for x in logs if x["event"].startswith("worker_handover_")]
-    assert lines == [("worker_handover_unwritten", 0, 0, None, None),
-                     ("worker_handover_unwritten", 2, 2, None, None),
-                     ("worker_handover_recovered", None, None, 4, 4)]
-    for i in range(4):
-        assert (await wx.fetch_capture(eng, "fake", f"c{i}"))["rows"] == [5, 1, 1]
-    assert rt.unwritten["fake"] == {} and sorted(ho.files()) == ["fake.c4", "fake.c5"]
+        for i in range(10):
+            run_request(w.model_runner, f"r{i}", f"c{i}")
+            w.model_runner.execute_model(step(finished=[f"r{i}"]))
+        stats = rt.call("fake.stats", [])
+        rt.set_handover(None)
+    lines = [(x["event"], x.get("unwritten_steps"), x.get("written"), x.get("unreported_steps"))
+             for x in logs if x["event"].startswith("worker_handover_")]
+    assert lines == [("worker_handover_unwritten", None, None, None),
+                     ("worker_handover_unwritten_summary", 5, 5, 4)]
+    assert (stats["unwritten_steps"], stats["unwritten_requests"], stats["handed_over"]) == (5, 5, 5)
     ho.close()
 
 

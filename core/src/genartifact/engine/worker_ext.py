@@ -238,11 +238,11 @@ class WorkerRuntime:
         #: content -> capture id -> fetch answer whose handover file could not be written (folder full or gone):
         #: kept for the driver's RPC fetch (which comes when no file came in time), dropped by discard
         self.unwritten: dict[str, dict[str, dict[str, Any]]] = {}
-        #: step files that could not be written since the last ``worker_handover_unwritten`` line, and when that
-        #: line was logged (``time.monotonic``; None: writes are not failing): see :meth:`_log_unwritten`
-        self._unwritten_quiet = {"steps": 0, "requests": 0}
-        self._unwritten_logged: float | None = None
-        self._unwritten_total = {"steps": 0, "requests": 0}
+        #: step files (and their requests) that could not be written, since this runtime started
+        self.unwritten_steps = self.unwritten_requests = 0
+        #: the failures since the first one not followed by HANDOVER_FAIL_LOG_S of writes (None: none), see
+        #: :meth:`_note_unwritten`
+        self._unwritten_episode: dict[str, Any] | None = None
         if self.capturing:
             settings = self.config["settings"]
             for cap in self.host.hooks.worker_captures(worker=worker, settings=settings):
@@ -271,6 +271,7 @@ class WorkerRuntime:
         another node); otherwise (or with None) finished requests' rows wait for the driver's fetch RPC. Step files
         being written into the old folder are finished first."""
         self.reap_writes(wait=True)
+        self.end_unwritten_episode()
         self.handover_dir, self.handover_contents = None, []
         if not handover or not self.capturing:
             return
@@ -439,39 +440,60 @@ class WorkerRuntime:
             for name, cid, _ in handed:
                 self.handover_written += 1
                 self._bury(name, cid, "handed_over")
-            if self._unwritten_logged is not None:  # writing again after failures: said once
-                log.info("worker_handover_recovered", unwritten_steps=self._unwritten_total["steps"],
-                         unwritten_requests=self._unwritten_total["requests"], **self.where)
-                self._unwritten_logged = None
-                self._unwritten_quiet = {"steps": 0, "requests": 0}
-                self._unwritten_total = {"steps": 0, "requests": 0}
+            ep = self._unwritten_episode
+            if ep is not None:
+                ep["written"] += 1
+                if time.monotonic() - ep["last"] >= HANDOVER_FAIL_LOG_S:  # writing, and no failure for a while
+                    self.end_unwritten_episode("worker_handover_recovered")
             return
         for name, cid, env in handed:
             self.unwritten[name][cid] = env
         # (a threaded write that failed made its markers in the writer thread already, at once: not made twice)
         marked = None if threaded or self.handover_dir is None else _mark_no_file(self.handover_dir, handed)
-        self._log_unwritten(handed, err, marked)
+        self._note_unwritten(handed, err, marked)
 
-    def _log_unwritten(self, handed: Sequence[tuple[str, str, dict[str, Any]]], err: BaseException,
-                       marked: Any) -> None:
-        """``worker_handover_unwritten`` (warning) for the first step file that could not be written, then at most
-        one line per :data:`HANDOVER_FAIL_LOG_S` while writes keep failing (a full ``/dev/shm`` fails every step
-        with a finishing request: a line per step flooded the log), each saying how many steps and requests
-        failed since the line before (``suppressed_steps``, ``suppressed_requests``); ``worker_handover_recovered``
-        (info, with the totals) once the next write succeeds."""
-        quiet, total = self._unwritten_quiet, self._unwritten_total
-        total["steps"] += 1
-        total["requests"] += len(handed)
+    def _note_unwritten(self, handed: Sequence[tuple[str, str, dict[str, Any]]], err: BaseException,
+                        marked: Any) -> None:
+        """Count a step file that could not be written and log it, rate-limited per cause (exception type and
+        errno: a full ``/dev/shm`` and a plugin answer msgpack cannot hold are told apart): the first failure of a
+        cause is a ``worker_handover_unwritten`` warning at once, later ones of that cause at most one line per
+        :data:`HANDOVER_FAIL_LOG_S` (a full ``/dev/shm`` fails every step with a finishing request: a line per
+        step flooded the log), each with the failures of that cause it stood for since the line before
+        (``suppressed_steps``, ``suppressed_requests``) and the step files written meanwhile in this episode
+        (``written_meanwhile``: a nearly full ``/dev/shm`` fails some writes and not others). The episode ends
+        with ``worker_handover_recovered`` (info, with its totals) at the first write HANDOVER_FAIL_LOG_S or more
+        after its last failure; the totals are also in the ``stats`` verb (``unwritten_steps``)."""
         now = time.monotonic()
-        if self._unwritten_logged is not None and now - self._unwritten_logged < HANDOVER_FAIL_LOG_S:
-            quiet["steps"] += 1
-            quiet["requests"] += len(handed)
+        self.unwritten_steps += 1
+        self.unwritten_requests += len(handed)
+        ep = self._unwritten_episode
+        if ep is None:
+            ep = self._unwritten_episode = {"steps": 0, "requests": 0, "written": 0, "causes": {}}
+        ep["steps"] += 1
+        ep["requests"] += len(handed)
+        ep["last"] = now
+        cause = f"{type(err).__name__}:{getattr(err, 'errno', None)}"
+        seen = ep["causes"].get(cause)
+        if seen is not None and now - seen["logged"] < HANDOVER_FAIL_LOG_S:
+            seen["steps"] += 1
+            seen["requests"] += len(handed)
             return
         log.warning("worker_handover_unwritten", contents=sorted({n for n, _, _ in handed}), requests=len(handed),
                     error=_exc_line(err), detail="kept for the driver's RPC fetch", marked=marked,
-                    suppressed_steps=quiet["steps"], suppressed_requests=quiet["requests"], **self.where)
-        self._unwritten_logged = now
-        self._unwritten_quiet = {"steps": 0, "requests": 0}
+                    suppressed_steps=seen["steps"] if seen else 0, suppressed_requests=seen["requests"] if seen else 0,
+                    written_meanwhile=ep["written"], **self.where)
+        ep["causes"][cause] = {"logged": now, "steps": 0, "requests": 0}
+
+    def end_unwritten_episode(self, event: str = "worker_handover_unwritten_summary") -> None:
+        """Close the current episode of step files that could not be written, if any: one info line ``event``
+        with its totals (``unwritten_steps``, ``unwritten_requests``, ``written``) and the failures no line has
+        reported yet (``unreported_steps``). Called at recovery, and when the handover folder changes (its
+        failures belong to the old folder)."""
+        ep, self._unwritten_episode = self._unwritten_episode, None
+        if ep is None:
+            return
+        log.info(event, unwritten_steps=ep["steps"], unwritten_requests=ep["requests"], written=ep["written"],
+                 unreported_steps=sum(c["steps"] for c in ep["causes"].values()), **self.where)
 
     def _fire(self, method: str, step: WorkerStep, deferred: bool | None = None) -> None:
         """Call ``method`` of the step's flagged contents' captures (``deferred``: only those whose
@@ -612,7 +634,8 @@ class WorkerRuntime:
             return found or had
         if verb == "stats":
             return {**cap.stats(), "live_flagged": len(self.flagged[name]), "unwritten": len(self.unwritten[name]), "handover": self.handover_dir is not None,
-                    "handed_over": self.handover_written, **self.where}
+                    "handed_over": self.handover_written, "unwritten_steps": self.unwritten_steps,
+                    "unwritten_requests": self.unwritten_requests, **self.where}
         fn = cap.verbs().get(verb)
         if fn is None:
             raise ValueError(f"{name} worker verb {verb!r} unknown; allowed: "
