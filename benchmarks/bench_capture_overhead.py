@@ -243,7 +243,7 @@ async def main_async(args) -> None:
           f"{'by RPC' if args.rpc_fetch else 'out of band'}; {load_line()}")
     for side in sides:
         print(side_line(side, tps[side], "tok/s"))
-    print(ratio_line("capture on / off (same engine)", tps["on"], tps["off (same engine)"], ">= 0.95"))
+    print(ratio_line("capture on / off (same engine)", tps["on"], tps["off (same engine)"], f">= {args.goal}"))
     print(ratio_line("worker capture only / off (same engine): the workers' share", tps["worker capture only"],
                      tps["off (same engine)"]))
     print(ratio_line("capture on / worker capture only: the driver's share", tps["on"], tps["worker capture only"]))
@@ -252,7 +252,7 @@ async def main_async(args) -> None:
                          tps[INLINE]))
         print(ratio_line("capture on with end_step inline / off (same engine)", tps[INLINE], tps["off (same engine)"]))
     if not args.skip_plain:
-        print(ratio_line("capture on / off (plain engine)", tps["on"], tps["off (plain engine)"], ">= 0.95"))
+        print(ratio_line("capture on / off (plain engine)", tps["on"], tps["off (plain engine)"], f">= {args.goal}"))
         print(ratio_line("off (same engine) / off (plain engine)", tps["off (same engine)"],
                          tps["off (plain engine)"], "1.0: no cost when unused"))
     # the driver does not busy-poll (the engine core and the workers do), so its CPU time is a load-robust measure
@@ -270,6 +270,8 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=16, help="concurrent requests (sustained load)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--goal", type=float, default=0.95,
+                    help="the on / off ratio the verdict is judged against (issue 13: 0.95 tiny model, 0.98 45M)")
     ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="TP workers per engine (on a 2-core box set VLLM_CPU_OMP_THREADS_BIND='0|1' for 2)")
