@@ -1,7 +1,7 @@
 """The driver's CPU per artifact request without an engine, against the bare work of the same bytes (issue 13).
 
     .venv/bin/python benchmarks/bench_driver_request.py [--model .models/tiny-qwen3-moe] [--wave 16] [--waves 40]
-                                                        [--rounds 8] [--max-tokens 64]
+                                                        [--rounds 8] [--max-tokens 64] [--just-waves N]
 
 On the engine, a request's driver work is hidden in the noise of a 2-core box (paired rounds spread 0.7-1.3), so
 this measures it alone, on the real code: the host with the real ``moe_routes`` + ``selected_logprobs`` plugins and
@@ -181,10 +181,27 @@ def bare_wave(bodies: list[bytes], d: Path, start: int) -> None:
         os.close(dfd)
 
 
+async def just_waves(args) -> None:
+    """``--just-waves N``: the artifact path only, N waves and nothing timed or printed, for an instruction count
+    (``valgrind --tool=callgrind``: the count of ``--just-waves 40`` minus that of ``--just-waves 4``, over 36
+    waves of ``--wave`` requests, is the driver's per-request count without the start-up's)."""
+    root = Path(tempfile.mkdtemp(prefix="ga-bench-driver-"))
+    drv = Driver(args.model, root, args.max_tokens)
+    try:
+        for _ in range(args.just_waves):
+            await drv.wave(args.wave)
+    finally:
+        drv.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 async def main_async(args) -> None:
     import zstandard
     from genartifact.format import PRELUDE
 
+    if args.just_waves:
+        await just_waves(args)
+        return
     root = Path(tempfile.mkdtemp(prefix="ga-bench-driver-"))
     bare_dir = root / "bare"
     bare_dir.mkdir()
@@ -239,6 +256,8 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=40, help="waves per side and round")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--just-waves", type=int, default=0, metavar="N",
+                    help="run N waves of the artifact path only, untimed (for callgrind instruction counts)")
     add_smoke(ap)
     args = ap.parse_args()
     if args.smoke:
