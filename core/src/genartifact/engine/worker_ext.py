@@ -916,7 +916,8 @@ def init_config(host: Any) -> dict[str, Any]:
 
 HANDOVER_WAIT_S = 5.0  # how long fetch_capture waits for a handover file before asking the workers by RPC
 #: while a worker's step files keep failing (``/dev/shm`` full), at most one ``worker_handover_unwritten`` line per
-#: this many seconds (the first failure is logged at once; the lines count the failures in between)
+#: cause and this many seconds (the first failure of a cause is logged at once; the lines count the failures in
+#: between), and ``worker_handover_recovered`` at the first write this long after the last failure
 HANDOVER_FAIL_LOG_S = 30.0
 #: how often the takes waiting for step files look for them where the folder cannot be watched (no inotify): one
 #: scan of the folder per period for all of them (a step file comes within about one engine step of the request's
