@@ -181,32 +181,19 @@ def bare_wave(bodies: list[bytes], d: Path, start: int) -> None:
         os.close(dfd)
 
 
-async def just_waves(args) -> None:
-    """``--just-waves N``: the artifact path only, N waves and nothing timed or printed, for an instruction count
-    (``valgrind --tool=callgrind``: the count of ``--just-waves 40`` minus that of ``--just-waves 4``, over 36
-    waves of ``--wave`` requests, is the driver's per-request count without the start-up's)."""
-    root = Path(tempfile.mkdtemp(prefix="ga-bench-driver-"))
-    drv = Driver(args.model, root, args.max_tokens)
-    try:
-        for _ in range(args.just_waves):
-            await drv.wave(args.wave)
-    finally:
-        drv.close()
-        shutil.rmtree(root, ignore_errors=True)
-
-
 async def main_async(args) -> None:
     import zstandard
     from genartifact.format import PRELUDE
 
-    if args.just_waves:
-        await just_waves(args)
-        return
     root = Path(tempfile.mkdtemp(prefix="ga-bench-driver-"))
     bare_dir = root / "bare"
     bare_dir.mkdir()
     drv = Driver(args.model, root, args.max_tokens)
     try:
+        if args.just_waves:  # the artifact path only, untimed and silent: for an instruction count (see --help)
+            for _ in range(args.just_waves):
+                await drv.wave(args.wave)
+            return
         # warm-up, and the bodies the bare side compresses: those of real artifacts of this size
         await drv.wave(args.wave)
         stored = next((root / "runs").iterdir()).read_bytes()  # prelude + zstd frame of the body
@@ -257,7 +244,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--just-waves", type=int, default=0, metavar="N",
-                    help="run N waves of the artifact path only, untimed (for callgrind instruction counts)")
+                    help="run N waves of the artifact path only, untimed and silent, for an instruction count: "
+                         "valgrind --tool=callgrind of --just-waves 40 minus --just-waves 4, over 36 waves of "
+                         "--wave requests, is the driver's per-request count without the start-up's")
     add_smoke(ap)
     args = ap.parse_args()
     if args.smoke:
