@@ -7,6 +7,7 @@ import asyncio
 import errno
 import os
 import stat
+import threading
 from pathlib import Path
 
 import genartifact_fsspec_target as ft
@@ -25,8 +26,9 @@ def spec(key):
 
 
 def test_one_loop_turn_is_one_batch_with_one_directory_fsync(tmp_path, sync_events):
-    """Eight deliveries asked for in one loop turn: one batch (one hop to the writer thread), eight file fsyncs
-    and links, then the key directory synced once, after the last link — every key durable before any result."""
+    """Eight deliveries asked for in one loop turn: one batch (one hop to the writer thread), eight files written
+    and fsynced (at once, from the sync threads), then linked, then the key directory synced once, after the last
+    link — every object's bytes durable before its name, every key durable before any result."""
     t = target(tmp_path)
     (tmp_path / "runs").mkdir()
     events = sync_events(tmp_path)
@@ -39,7 +41,8 @@ def test_one_loop_turn_is_one_batch_with_one_directory_fsync(tmp_path, sync_even
     out, writer = asyncio.run(main())
     assert out == [f"disk:runs/{i}.gart" for i in range(8)]
     assert (writer.batches, writer.objects) == (1, 8)
-    assert events == ["fsync_file", "link"] * 8 + [("fsync_dir", "runs")]
+    assert events == ["fsync_file"] * 8 + ["link"] * 8 + [("fsync_dir", "runs")]
+    assert events.synced_before_linked()
     assert sorted(os.listdir(tmp_path / "runs")) == sorted(f"{i}.gart" for i in range(8))
     assert (tmp_path / "runs/5.gart").read_bytes() == b"x5"
 
@@ -118,8 +121,57 @@ def test_new_directories_synced_once_per_parent_in_a_batch(tmp_path, sync_events
     events = sync_events(tmp_path)
     res = ft._write_local_batch([(tmp_path / "runs/a/1.gart", b"1"), (tmp_path / "runs/b/2.gart", b"2")])
     assert res == [None, None]
-    assert events == ["fsync_file", "link", "fsync_file", "link", ("fsync_dir", "runs/a"), ("fsync_dir", "runs"),
+    assert events == ["fsync_file", "fsync_file", "link", "link", ("fsync_dir", "runs/a"), ("fsync_dir", "runs"),
                       ("fsync_dir", "."), ("fsync_dir", "runs/b")]
+    assert events.synced_before_linked()
+
+
+def test_a_batch_fsyncs_its_files_at_once(tmp_path, monkeypatch):
+    """The files of a batch are fsynced concurrently (from the sync threads), not one after another: here each
+    file fsync waits until two are in flight at once, which one-by-one fsyncs never reach (the barrier breaks after
+    5 s, failing its jobs). Every object is stored."""
+    barrier = threading.Barrier(2, timeout=5)
+    real = os.fsync
+    threads = set()
+
+    def fsync(fd):
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            threads.add(threading.get_ident())
+            barrier.wait()
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(4)])
+    assert res == [None] * 4
+    assert len(threads) >= 2
+    assert sorted(os.listdir(tmp_path / "runs")) == [f"{i}.gart" for i in range(4)]
+
+
+def test_a_batch_holds_at_most_a_sync_group_of_files_open(tmp_path, monkeypatch, sync_events):
+    """A batch larger than LOCAL_SYNC_GROUP goes group by group (each group's files fsynced, then linked), so it
+    never holds more than a group's descriptors of unnamed files; one directory fsync after the last link."""
+    monkeypatch.setattr(ft, "LOCAL_SYNC_GROUP", 4)
+    (tmp_path / "runs").mkdir()
+    events = sync_events(tmp_path)
+    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(10)])
+    assert res == [None] * 10
+    assert events == (["fsync_file"] * 4 + ["link"] * 4) * 2 + ["fsync_file"] * 2 + ["link"] * 2 + [
+        ("fsync_dir", "runs")]
+    assert events.synced_before_linked()
+
+
+def test_a_batch_is_written_in_its_own_thread_when_no_sync_thread_can_be_had(tmp_path, monkeypatch):
+    """The sync threads cannot take work (the interpreter is shutting down): the batch's files are written and
+    fsynced one after another in the writer's own thread instead, every object stored."""
+
+    class Refusing:
+        def submit(self, *a, **kw):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(ft._LocalWriter, "sync_pool", classmethod(lambda cls: Refusing()))
+    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(3)])
+    assert res == [None] * 3
+    assert sorted(os.listdir(tmp_path / "runs")) == ["0.gart", "1.gart", "2.gart"]
 
 
 @pytest.mark.fault("managed", "file:// delivery cancelled before its batch is sent")
