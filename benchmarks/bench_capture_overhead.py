@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import tempfile
@@ -236,6 +237,7 @@ async def main_async(args) -> None:
         eng.shutdown()
         if llm is not None:
             llm.shutdown()
+        shutil.rmtree(root, ignore_errors=True)  # the rounds' objects
     print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
           f"alternated in rotating order, TP={args.tensor_parallel_size}, DP={args.data_parallel_size}"
           f"{' (test-only vLLM-CPU collective stand-ins)' if args.data_parallel_size > 1 else ''}, "

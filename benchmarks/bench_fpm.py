@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -123,6 +124,7 @@ def merge_speed(sizes: tuple[int, int] = (3000, 6000)) -> None:
         t0 = time.perf_counter()
         merge(paths, d / "merged.json")
         times[n] = time.perf_counter() - t0
+        shutil.rmtree(d)
     a, b = sizes
     print(f"merge 8 ranks x {a} points: {times[a]:.2f} s (target < 2 s at 3000); x {b}: {times[b]:.2f} s")
     print(f"RATIO merge time {b} / {a} points: {times[b] / times[a]:.2f}  (linear = {b / a:.0f})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 import tempfile
 import time
@@ -64,6 +65,7 @@ async def main_async(args) -> None:
                 res[side].append(await round_(eng, ids_list, args.max_tokens, side == "per-step", root, args.inflight))
     finally:
         eng.shutdown()
+        shutil.rmtree(root, ignore_errors=True)  # the rounds' objects
     print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
           f"alternated in rotating order; {load_line()}")
     for side, v in res.items():

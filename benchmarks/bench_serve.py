@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,6 +126,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        shutil.rmtree(root, ignore_errors=True)  # the server's config and stored objects
     print(f"{args.requests} requests x {args.max_tokens} tokens, concurrency {args.concurrency}, {args.rounds} rounds "
           f"alternated in rotating order; {load_line()}")
     for side, rounds in res.items():

@@ -136,6 +136,7 @@ async def main_async(args: argparse.Namespace) -> None:
             print("\n".join(summarize(raw)))
     finally:
         eng.shutdown()
+        shutil.rmtree(root, ignore_errors=True)  # the rounds' objects (the stacks stay in `out`)
     on, off = (sum(cpu_per_ktok[p].values()) for p in ("on", "off"))
     print(f"RATIO capture on / off CPU per generated token (driver + engine core + worker, "
           f"{'RPC fetch' if args.rpc else 'out-of-band handover'}): {on / off:.3f}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,11 +62,25 @@ def test_every_benchmark_script_has_a_smoke_case():
                                   f"cases without a script: {sorted(set(CASES) - on_disk)}"
 
 
+#: the temp-file name prefixes of this project's scripts and test servers (``ga-bench-``, ``ga-seaweed-``...): what a
+#: script leaves of these in its temp dir, other than a folder it names in its output (results: ``--out``'s default),
+#: is a leak
+OWN_TEMP = re.compile(r"^(ga-|bench-)")
+
+
+def _tmpdir(script: str) -> Path:
+    """The script's own temp dir (its ``TMPDIR``), so that what it leaves behind can be told apart."""
+    return Path(os.environ.get("SMOKE_TMP_ROOT", "/tmp")) / f"smoke-{os.getpid()}-{script}"
+
+
 def _run(script: str, model: Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, str(BENCH / script), "--smoke"]
     if CASES[script][0]:
         cmd += ["--model", str(model)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    tmp = _tmpdir(script)
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "TMPDIR": str(tmp)}
     try:
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:  # the child is killed by subprocess.run; report what it printed
@@ -98,6 +113,12 @@ def test_benchmark_smoke(script, smoke_runs):
     assert r.returncode == 0, f"{script} --smoke exited {r.returncode}:\n{out[-4000:]}"
     assert re.search(CASES[script][1], r.stdout, re.M), \
         f"{script} --smoke printed no line matching {CASES[script][1]!r}:\n{r.stdout[-3000:]}"
+    tmp = _tmpdir(script)
+    try:
+        left = sorted(p.name for p in tmp.iterdir() if OWN_TEMP.match(p.name) and str(p) not in out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert not left, f"{script} --smoke left its temp files behind in {tmp}: {left}"
 
 
 def test_make_bench_passes_only_options_each_script_takes():
