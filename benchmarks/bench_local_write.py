@@ -1,7 +1,7 @@
 """CPU per ``file://`` delivery of the managed_fsspec target: the unnamed write (``O_TMPFILE`` + ``linkat``, the
 default on Linux) ÷ the named-temp fallback (``mkstemp``, link, unlink), same objects, same directory.
 
-    .venv/bin/python benchmarks/bench_local_write.py [--objects 400] [--kib 64] [--rounds 8] [--wave 16]
+    .venv/bin/python benchmarks/bench_local_write.py [--objects 400] [--kib 64] [--rounds 8] [--wave 16] [--batch-kib 2]
 
 Each round writes ``--objects`` new objects of ``--kib`` KiB through ``_write_local_create_only`` on each side (in a
 rotating order, fresh directory per side and round, fsyncs included as in production) and records the process CPU
@@ -15,6 +15,11 @@ the same engine step), each side writing the same objects: "batched" goes throug
 (``_LocalWriter``: one writer-thread hop per batch, one directory fsync per batch), "thread each" is the path before
 it (``asyncio.to_thread(_write_local_create_only, ...)`` per object: a hop and a directory fsync each). Prints process
 CPU and wall time per object and the ratio (> 1: batched costs less).
+
+Third comparison, the group commit inside a batch (what the profile's writer thread runs, ``_write_local_batch``):
+batches of ``--wave`` objects of ``--batch-kib`` KiB whose files are written and fsynced at once from the sync threads
+(``LOCAL_SYNC_THREADS``, as shipped) against one after another (``LOCAL_SYNC_THREADS = 1``); wall time per object is
+the figure (a batch's receipts wait for all of it). Prints the ratio (> 1: at once is faster).
 """
 
 from __future__ import annotations
@@ -70,6 +75,37 @@ def delivery_path(ft, root: Path, data: bytes, args) -> None:
     report("file:// delivery", sides, cpu, wall)
 
 
+def group_commit(ft, root: Path, args) -> None:
+    """A batch's files fsynced at once (``LOCAL_SYNC_THREADS`` threads, as shipped) ÷ one after another
+    (``LOCAL_SYNC_THREADS = 1``): batches of ``args.wave`` objects of ``args.batch_kib`` KiB through
+    ``_write_local_batch`` (what the profile's writer thread runs), wall time per object (the receipts of a batch
+    wait for all of it)."""
+    threads = ft.LOCAL_SYNC_THREADS
+    sides = ["at once", "one by one"]
+    cpu: dict[str, list[float]] = {s: [] for s in sides}
+    wall: dict[str, list[float]] = {s: [] for s in sides}
+    data = os.urandom(args.batch_kib << 10)
+    try:
+        for r in range(args.rounds):
+            for side in rotation(sides, r):
+                ft.LOCAL_SYNC_THREADS = threads if side == "at once" else 1
+                d = root / f"batch-{side.replace(' ', '-')}-{r}"
+                ft._write_local_batch([(d / "warm-0", data), (d / "warm-1", data)])  # directory made, threads up
+                c0, w0 = time.process_time(), time.perf_counter()
+                for w in range(0, args.objects, args.wave):
+                    n = min(args.wave, args.objects - w)
+                    res = ft._write_local_batch([(d / f"{w + i:05d}.gart", data) for i in range(n)])
+                    assert res == [None] * n, f"{side}: {res}"
+                cpu[side].append((time.process_time() - c0) / args.objects)
+                wall[side].append((time.perf_counter() - w0) / args.objects)
+                shutil.rmtree(d)
+    finally:
+        ft.LOCAL_SYNC_THREADS = threads
+    print(f"group commit: batches of {args.wave} objects x {args.batch_kib} KiB, {args.objects} objects per side and "
+          f"round, {args.rounds} rounds, {threads} sync threads; {load_line()}")
+    report("file:// batch", sides, cpu, wall)
+
+
 def report(what: str, sides: list[str], cpu: dict[str, list[float]], wall: dict[str, list[float]]) -> None:
     """Per side CPU and wall µs per object, then the ratios ``sides[1]`` / ``sides[0]`` (> 1: ``sides[0]`` costs
     less)."""
@@ -87,11 +123,14 @@ def main() -> None:
     ap.add_argument("--kib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--dir", default=None, help="parent directory for the objects (default: the system temp dir)")
-    ap.add_argument("--wave", type=int, default=16, help="deliveries per event-loop turn (delivery-path comparison)")
+    ap.add_argument("--wave", type=int, default=16,
+                    help="deliveries per event-loop turn (delivery-path comparison), objects per batch (group commit)")
+    ap.add_argument("--batch-kib", type=int, default=2,
+                    help="object size of the group-commit comparison (a tiny-model request's artifact: ~1.4 KiB)")
     add_smoke(ap)
     args = ap.parse_args()
     if args.smoke:
-        args.objects, args.kib, args.rounds, args.wave = 5, 1, 1, 2
+        args.objects, args.kib, args.rounds, args.wave, args.batch_kib = 5, 1, 1, 2, 1
     import genartifact_fsspec_target as ft
 
     if not ft._O_TMPFILE:
@@ -118,6 +157,7 @@ def main() -> None:
                 shutil.rmtree(d)
         ft._O_TMPFILE = real
         delivery_path(ft, root, data, args)
+        group_commit(ft, root, args)
     finally:
         ft._O_TMPFILE = real
         shutil.rmtree(root, ignore_errors=True)

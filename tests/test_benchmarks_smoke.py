@@ -37,7 +37,8 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_fpm_fit.py": (True, r"^decode .* run B off-grid: "),
     "bench_fuzz_reader.py": (False, r"^\d+ cases in .* s, 0 failures, peak RSS"),
     "bench_groups.py": (False, r"^RATIO stored bytes with / without dedup: \d"),
-    "bench_local_write.py": (False, r"^RATIO local write CPU per object, named / unnamed: median-of-rounds \d"),
+    "bench_local_write.py": (False, r"^RATIO file:// batch wall per object, one by one / at once: median-of-rounds \d"
+                                    r"(?s:.*)^RATIO local write CPU per object, named / unnamed: median-of-rounds \d"),
     "bench_load.py": (False, r"^RATIO loaders / bare s3fs .*median-of-rounds \d"),
     "bench_loop_stall.py": (True, r"^RATIO longest loop stall, reader thread / on the loop: median-of-rounds \d"),
     "bench_per_step_deltas.py": (True, r"^RATIO per-step / final-only tokens/s: median-of-rounds \d"),

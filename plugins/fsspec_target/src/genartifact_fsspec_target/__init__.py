@@ -535,7 +535,7 @@ LOCAL_SYNC_GROUP = 16
 #: threads that write and fsync a batch's files at once (:func:`_write_and_sync_all`), per process: concurrent fsyncs
 #: share the journal's commits and the disk's cache flushes, where one after another each waits for its own (16
 #: small objects on this project's VMs with a slow disk: 7.4-9.9 ms one by one, 3.4-4.2 ms from 8 threads;
-#: docs/benchmarks.md)
+#: docs/benchmarks.md); 1: one after another in the writer's thread
 LOCAL_SYNC_THREADS = 8
 
 
@@ -729,10 +729,10 @@ def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]]) -> dict[int, Bas
     """:func:`_write_all` (write in full, then fsync) of each ``key -> (fd, data)``; several from up to
     :data:`LOCAL_SYNC_THREADS` threads at once (:meth:`_LocalWriter.sync_pool`), one in this thread. Returns each
     key's exception, None where written and fsynced; waits for all. Where no thread can be had (the interpreter is
-    shutting down) the rest are written here, one after another."""
+    shutting down, or :data:`LOCAL_SYNC_THREADS` is 1) the rest are written here, one after another."""
     out: dict[int, BaseException | None] = {}
     running: dict[int, Any] = {}
-    if len(files) > 1:
+    if len(files) > 1 and LOCAL_SYNC_THREADS > 1:
         try:
             pool = _LocalWriter.sync_pool()
             for k, (fd, data) in files.items():
