@@ -89,12 +89,13 @@ def group_commit(ft, root: Path, args) -> None:
         for r in range(args.rounds):
             for side in rotation(sides, r):
                 ft.LOCAL_SYNC_THREADS = threads if side == "at once" else 1
+                sync = ft._LocalWriter.sync_pool(str(root))  # (None: one by one)
                 d = root / f"batch-{side.replace(' ', '-')}-{r}"
-                ft._write_local_batch([(d / "warm-0", data), (d / "warm-1", data)])  # directory made, threads up
+                ft._write_local_batch([(d / "warm-0", data), (d / "warm-1", data)], sync)  # directory made, threads up
                 c0, w0 = time.process_time(), time.perf_counter()
                 for w in range(0, args.objects, args.wave):
                     n = min(args.wave, args.objects - w)
-                    res = ft._write_local_batch([(d / f"{w + i:05d}.gart", data) for i in range(n)])
+                    res = ft._write_local_batch([(d / f"{w + i:05d}.gart", data) for i in range(n)], sync)
                     assert res == [None] * n, f"{side}: {res}"
                 cpu[side].append((time.process_time() - c0) / args.objects)
                 wall[side].append((time.perf_counter() - w0) / args.objects)

@@ -54,9 +54,9 @@ def test_deliveries_arriving_during_a_batch_go_together_as_the_next(tmp_path, mo
     gate = __import__("threading").Event()
     real = ft._write_local_batch
 
-    def slow_batch(jobs):
+    def slow_batch(jobs, *a):
         gate.wait(5)
-        return real(jobs)
+        return real(jobs, *a)
 
     monkeypatch.setattr(ft, "_write_local_batch", slow_batch)
 
@@ -141,7 +141,8 @@ def test_a_batch_fsyncs_its_files_at_once(tmp_path, monkeypatch):
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(4)])
+    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(4)],
+                                ft._LocalWriter.sync_pool(str(tmp_path)))
     assert res == [None] * 4
     assert len(threads) >= 2
     assert sorted(os.listdir(tmp_path / "runs")) == [f"{i}.gart" for i in range(4)]
@@ -161,15 +162,14 @@ def test_a_batch_holds_at_most_a_sync_group_of_files_open(tmp_path, monkeypatch,
 
 
 def test_a_batch_is_written_in_its_own_thread_when_no_sync_thread_can_be_had(tmp_path, monkeypatch):
-    """The sync threads cannot take work (the interpreter is shutting down): the batch's files are written and
-    fsynced one after another in the writer's own thread instead, every object stored."""
+    """The sync threads take no work (the interpreter is shutting down: submit refuses before it queues): the
+    batch's files are written and fsynced one after another in the batch's own thread, every object stored."""
 
     class Refusing:
         def submit(self, *a, **kw):
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
-    monkeypatch.setattr(ft._LocalWriter, "sync_pool", classmethod(lambda cls: Refusing()))
-    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(3)])
+    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(3)], Refusing())
     assert res == [None] * 3
     assert sorted(os.listdir(tmp_path / "runs")) == ["0.gart", "1.gart", "2.gart"]
 

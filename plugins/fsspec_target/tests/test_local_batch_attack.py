@@ -311,10 +311,10 @@ def test_loop_closed_while_a_batch_is_in_the_thread(tmp_path, monkeypatch):
     entered = threading.Event()
     real = ft._write_local_batch
 
-    def slow(jobs):
+    def slow(jobs, *a):
         entered.set()
         gate.wait(5)
-        return real(jobs)
+        return real(jobs, *a)
 
     monkeypatch.setattr(ft, "_write_local_batch", slow)
     t = target(tmp_path)
@@ -384,11 +384,11 @@ def test_fork_while_a_batch_is_in_flight(tmp_path, monkeypatch):
     gate, entered = threading.Event(), threading.Event()
     real = ft._write_local_batch
 
-    def slow(jobs):
+    def slow(jobs, *a):
         if any(d.name == "parent.gart" for d, _ in jobs):
             entered.set()
             gate.wait(5)
-        return real(jobs)
+        return real(jobs, *a)
 
     monkeypatch.setattr(ft, "_write_local_batch", slow)
     t = target(tmp_path)
@@ -417,12 +417,15 @@ def test_fork_while_a_batch_is_in_flight(tmp_path, monkeypatch):
 def test_forked_child_writes_a_batch_with_sync_threads_of_its_own(tmp_path):
     """The parent's sync threads exist (a batch of two went through them) when the process forks; they are not in
     the child, whose batch of two is fsynced by threads of its own at once (no wait for threads that are gone)."""
-    assert ft._write_local_batch([(tmp_path / "runs/p1.gart", b"1"), (tmp_path / "runs/p2.gart", b"2")]) == [None] * 2
+    root = str(tmp_path)
+    jobs = [(tmp_path / "runs/p1.gart", b"1"), (tmp_path / "runs/p2.gart", b"2")]
+    assert ft._write_local_batch(jobs, ft._LocalWriter.sync_pool(root)) == [None] * 2
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            res = ft._write_local_batch([(tmp_path / "runs/c1.gart", b"1"), (tmp_path / "runs/c2.gart", b"2")])
+            res = ft._write_local_batch([(tmp_path / "runs/c1.gart", b"1"), (tmp_path / "runs/c2.gart", b"2")],
+                                        ft._LocalWriter.sync_pool(root))
             code = 0 if res == [None, None] else 2
         finally:
             os._exit(code)
@@ -531,3 +534,179 @@ def test_objects_at_and_above_the_batch_limit(tmp_path, extra, batched):
     writer = asyncio.run(main())
     assert (writer is not None and writer.objects == 1) is batched
     assert (tmp_path / "runs/edge.gart").read_bytes() == data
+
+
+# ---------------------------------------------------------------------------------------- the sync threads
+
+
+class QueuesThenRefuses:
+    """A sync executor that, like ``ThreadPoolExecutor.submit`` when a thread cannot be started (EAGAIN at a pid
+    limit), queues the work item and then raises, from its ``refuse_from``-th submit on; its queued items run only
+    when :meth:`run_stale` says (a thread started later, for a later batch)."""
+
+    def __init__(self, refuse_from: int) -> None:
+        self.refuse_from, self.items = refuse_from, []
+
+    def submit(self, fn, *a):
+        self.items.append((fn, a))
+        if len(self.items) >= self.refuse_from:
+            raise RuntimeError("can't start new thread")
+        return None
+
+    def run_stale(self) -> None:
+        items, self.items = self.items, []
+        for fn, a in items:
+            fn(*a)
+
+
+@pytest.mark.parametrize("refuse_from", [1, 2])
+@pytest.mark.fault("managed", "a file:// sync thread cannot be started (submit queued the item, then raised)")
+def test_a_sync_thread_that_cannot_start_never_writes_twice_or_into_another_file(tmp_path, refuse_from):
+    """The sync executor queues a job and raises (no thread): the batch writes that job itself, and when the stale
+    item runs later (a thread started for the next batch) it leaves the descriptor alone: no object holds its bytes
+    twice, and a file that got the descriptor number meanwhile is untouched."""
+    sync = QueuesThenRefuses(refuse_from)
+    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i * 1000) for i in range(4)], sync)
+    assert res == [None] * 4
+    others = [open(tmp_path / f"other{k}.txt", "wb") for k in range(8)]  # the numbers of the batch's descriptors
+    try:
+        sync.run_stale()
+    finally:
+        for f in others:
+            f.close()
+    assert all((tmp_path / f"other{k}.txt").read_bytes() == b"" for k in range(8))
+    for i in range(4):
+        assert (tmp_path / f"runs/{i}.gart").read_bytes() == b"%d" % i * 1000
+
+
+@pytest.mark.fault("managed", "one file:// root's filesystem stuck in fsync")
+def test_a_stuck_root_does_not_hold_another_roots_batches(tmp_path, monkeypatch):
+    """Root A's fsyncs hang (a stuck mount): a batch of root B is written by B's own writer and sync threads at once;
+    A's completes when its filesystem comes back."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    stuck = threading.Event()
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "a")):
+            stuck.wait(10)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ta, tb = target(tmp_path / "a"), target(tmp_path / "b")
+
+    async def main():
+        a = [asyncio.ensure_future(ta.deliver(ta.validate(spec(f"runs/{i}.gart")), b"a", "s")) for i in range(16)]
+        await asyncio.sleep(0.1)  # root A's batch is in its threads, stuck
+        t0 = time.monotonic()
+        b = await asyncio.wait_for(asyncio.gather(*(tb.deliver(tb.validate(spec(f"runs/{i}.gart")), b"b", "s")
+                                                    for i in range(4))), 5)
+        took = time.monotonic() - t0
+        assert not any(f.done() for f in a)
+        stuck.set()
+        return took, b, await asyncio.gather(*a)
+
+    took, b, a = asyncio.run(main())
+    assert took < 2 and len(b) == 4 and len(a) == 16
+    assert len(os.listdir(tmp_path / "a/runs")) == 16 and len(os.listdir(tmp_path / "b/runs")) == 4
+
+
+@pytest.mark.parametrize("fsync_fails", [False, True])
+@pytest.mark.fault("managed", "close of a file:// batch's file fails (EIO)")
+def test_a_close_error_fails_no_other_job(tmp_path, monkeypatch, fsync_fails):
+    """Closing job 1's file raises EIO (after its link; or after its fsync failed too, as NFS may report): the other
+    jobs are stored and their directory synced. A linked file's bytes were fsynced before its link, so job 1 is
+    stored too; when its fsync failed it is delivery_failed and absent."""
+    (tmp_path / "runs").mkdir()
+    real_close, real_fsync, real_write = os.close, os.fsync, os.write
+    bad: set[int] = set()
+    dir_syncs = []
+
+    def write(fd, data):
+        if bytes(data) == b"bad":
+            bad.add(os.fstat(fd).st_ino)
+        return real_write(fd, data)
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            dir_syncs.append(fd)
+        elif fsync_fails and st.st_ino in bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+
+    def close(fd):
+        try:
+            hit = os.fstat(fd).st_ino in bad
+        except OSError:
+            hit = False
+        real_close(fd)
+        if hit:
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "close", close)
+    res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"bad" if i == 1 else b"ok") for i in range(4)],
+                                ft._LocalWriter.sync_pool(str(tmp_path)))
+    assert codes(res) == [None, "delivery_failed" if fsync_fails else None, None, None]
+    assert sorted(os.listdir(tmp_path / "runs")) == [f"{i}.gart" for i in range(4) if not (fsync_fails and i == 1)]
+    assert len(dir_syncs) == 1
+
+
+@pytest.mark.fault("managed", "exception in the thread waiting for a file:// batch's fsyncs")
+def test_interrupted_wait_leaves_no_sync_thread_on_a_closed_descriptor(tmp_path, monkeypatch):
+    """The thread waiting for the batch's fsyncs is interrupted (a signal handler raises): it returns only once the
+    jobs already running are done, and the ones not started never run, so no sync thread touches a descriptor
+    after the batch has closed it (it could be another file's by then)."""
+    (tmp_path / "runs").mkdir()
+    slow, real = threading.Event(), os.fsync
+    after: list[int] = []
+    returned = threading.Event()
+
+    def fsync(fd):
+        if returned.is_set():
+            after.append(fd)
+        if not stat.S_ISDIR(os.fstat(fd).st_mode) and threading.current_thread() is not threading.main_thread():
+            slow.wait(0.6)
+        return real(fd)
+
+    class Interrupt(Exception):
+        pass
+
+    def handler(*_):
+        raise Interrupt
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(Interrupt):
+            ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"x") for i in range(16)],
+                                  ft._LocalWriter.sync_pool(str(tmp_path)))
+        returned.set()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    time.sleep(0.8)  # any stale sync thread would have run by now
+    assert after == []
+
+
+@pytest.mark.fault("managed", "few descriptors left (EMFILE) for a file:// batch")
+def test_a_batch_short_of_descriptors_writes_the_rest_as_alone(tmp_path):
+    """Five descriptors to spare (RLIMIT_NOFILE): a group of 16 cannot hold its files open at once; the jobs from the
+    first refused open on are written one by one once the others are closed, every object stored, as each would
+    be alone."""
+    (tmp_path / "runs").mkdir()
+    sync = ft._LocalWriter.sync_pool(str(tmp_path))
+    assert ft._write_local_batch([(tmp_path / "runs/w1", b"w"), (tmp_path / "runs/w2", b"w")], sync) == [None] * 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(n) for n in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1 + 5, hard))
+    try:
+        res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(16)], sync)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert res == [None] * 16
+    assert all((tmp_path / f"runs/{i}.gart").read_bytes() == b"%d" % i for i in range(16))

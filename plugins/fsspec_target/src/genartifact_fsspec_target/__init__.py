@@ -384,7 +384,7 @@ def _write_local_create_only(dest: Path, data: bytes) -> None:
         raise err
 
 
-def _write_local_batch(jobs: Sequence[tuple[Path, bytes]]) -> list[DeliveryError | None]:
+def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> list[DeliveryError | None]:
     """:func:`_write_local_create_only` for several objects with one **group commit**: every object is written,
     fsynced and linked first, then each directory that received a new name is fsynced once (and the parent of
     each directory made in this batch above a stored key once), instead of once per object. One directory fsync
@@ -394,11 +394,13 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]]) -> list[DeliveryError
     still names it (one moved away, removed or replaced meanwhile is opened again at the path, as alone).
 
     The objects go in groups of up to :data:`LOCAL_SYNC_GROUP`: each job's unnamed file is opened, then all of the
-    group's are written and fsynced at once from up to :data:`LOCAL_SYNC_THREADS` threads
-    (:func:`_write_and_sync_all`: concurrent fsyncs share the journal's commits and the disk's cache flushes; one
-    after another, each waits for its own), then each is linked, in job order, so that of two jobs for one key the
-    first one wins. Jobs on a filesystem without ``O_TMPFILE``, and a job whose key directory moved away since its
-    file was opened, are written one by one at the link step, as alone.
+    group's are written and fsynced at once by the threads of ``sync`` (the profile root's
+    :meth:`_LocalWriter.sync_pool`; None: one after another here) and this one (:func:`_write_and_sync_all`:
+    concurrent fsyncs share the journal's commits and the disk's cache flushes; one after another, each waits for
+    its own), then each is linked, in job order, so that of two jobs for one key the first one wins. Jobs on a
+    filesystem without ``O_TMPFILE``, a job whose key directory moved away since its file was opened, and the jobs
+    of a group from the one whose file could not be opened for want of descriptors (EMFILE, ENFILE) on, are written
+    one by one at the link step, as alone (once the group's earlier files are closed).
 
     Returns one result per job, in order: None (stored and durable) or the :class:`DeliveryError` that job would
     have raised alone (``object_exists``, ``delivery_failed``; any exception, not only an OSError, fails just its
@@ -430,7 +432,11 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]]) -> list[DeliveryError
                     d = d.parent
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-                st = os.fstat(fd)
+                try:
+                    st = os.fstat(fd)
+                except BaseException:
+                    _close_quiet(fd)
+                    raise
                 entry = dirs[dest.parent] = (fd, (st.st_dev, st.st_ino), [], [])
                 opened.append((dest.parent, entry))
             except Exception as e:  # noqa: BLE001 - any failure is this job's delivery_failed
@@ -442,22 +448,34 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]]) -> list[DeliveryError
         for start in range(0, len(jobs), LOCAL_SYNC_GROUP):
             group = range(start, min(start + LOCAL_SYNC_GROUP, len(jobs)))
             staged: dict[int, tuple[int, Any]] = {}  # job -> (its unnamed file's fd, its key directory entry)
+            named: set[int] = set()  # jobs on a filesystem without O_TMPFILE
             try:
+                short = False  # out of descriptors: the group's jobs from here on are written as alone
                 for i in group:  # each job's key directory and, where the filesystem has O_TMPFILE, unnamed file
+                    if short:
+                        continue
                     entry = key_dir(i)
                     if entry is None:
                         continue
                     try:
                         fd = _open_unnamed(entry[0])
+                    except OSError as e:
+                        if e.errno in (errno.EMFILE, errno.ENFILE):
+                            short = True
+                        else:
+                            failed(i, e)
+                        continue
                     except Exception as e:  # noqa: BLE001 - any failure is this job's delivery_failed
                         failed(i, e)
                         continue
-                    if fd is not None:
+                    if fd is None:
+                        named.add(i)
+                    else:
                         staged[i] = (fd, entry)
-                errors = _write_and_sync_all({i: (fd, jobs[i][1]) for i, (fd, _) in staged.items()})
+                errors = _write_and_sync_all({i: (fd, jobs[i][1]) for i, (fd, _) in staged.items()}, sync)
                 for i, err in errors.items():
                     if err is not None:
-                        os.close(staged.pop(i)[0])
+                        _close_quiet(staged.pop(i)[0])
                         failed(i, err)
                 for i in group:  # linked in job order (of two jobs for one key, the first wins)
                     if results[i] is not None:
@@ -465,10 +483,13 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]]) -> list[DeliveryError
                     dest, data = jobs[i]
                     fd, entry = staged.pop(i, (None, None))
                     try:
-                        how = "named" if fd is None else "again"  # no O_TMPFILE here / the directory moved
+                        how = "named" if i in named else "again"  # no O_TMPFILE here / moved, or not staged
                         if fd is not None and _names_dir(dest.parent, entry[1]):
                             how = "linked" if _link_unnamed(fd, entry[0], dest.name) else "named"  # (no /proc)
                         if how != "linked":  # written as alone
+                            if fd is not None:
+                                _close_quiet(fd)  # (its descriptor back first: the group may be short of them)
+                                fd = None
                             entry = key_dir(i)
                             if entry is None:
                                 continue
@@ -483,11 +504,11 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]]) -> list[DeliveryError
                     except Exception as e:  # noqa: BLE001 - any failure is this job's delivery_failed
                         failed(i, e)
                     finally:
-                        if fd is not None:
-                            os.close(fd)  # an unnamed file not linked is freed with it
+                        if fd is not None:  # an unnamed file not linked is freed with it; once linked (its bytes
+                            _close_quiet(fd)  # fsynced before), a close error changes nothing
             finally:
                 for fd, _ in staged.values():  # an unexpected error left some unlinked: freed
-                    os.close(fd)
+                    _close_quiet(fd)
         synced: set[Path] = set()  # parents of new directories already synced in this batch
         for path, (fd, _, linked, met) in opened:
             if not linked:
@@ -508,7 +529,7 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]]) -> list[DeliveryError
                     results[i] = DeliveryError("managed artifact write failed")
     finally:
         for _, (fd, _, _, _) in opened:
-            os.close(fd)
+            _close_quiet(fd)
     return results
 
 
@@ -516,7 +537,7 @@ def _names_dir(path: Path, ident: tuple[int, int]) -> bool:
     """``path`` is (still) the directory ``(st_dev, st_ino)``."""
     try:
         st = os.stat(path)
-    except OSError:
+    except Exception:  # noqa: BLE001 - OSError, or a path os.stat refuses (ValueError): not that directory
         return False
     return (st.st_dev, st.st_ino) == ident
 
@@ -532,10 +553,10 @@ LOCAL_BATCH_MAX_JOBS = 64
 #: a batch's files are written and fsynced this many at a time (:func:`_write_local_batch`; each holds a descriptor
 #: until it is linked)
 LOCAL_SYNC_GROUP = 16
-#: threads that write and fsync a batch's files at once (:func:`_write_and_sync_all`), per process: concurrent fsyncs
-#: share the journal's commits and the disk's cache flushes, where one after another each waits for its own (16
-#: small objects on this project's VMs with a slow disk: 7.4-9.9 ms one by one, 3.4-4.2 ms from 8 threads;
-#: docs/benchmarks.md); 1: one after another in the writer's thread
+#: threads that write and fsync a batch's files at once (:func:`_write_and_sync_all`), per profile root and process:
+#: concurrent fsyncs share the journal's commits and the disk's cache flushes, where one after another each waits
+#: for its own (a batch of 16 small objects on this project's VM: 20-45 % less wall time, docs/benchmarks.md);
+#: 1: one after another in the writer's thread
 LOCAL_SYNC_THREADS = 8
 
 
@@ -560,7 +581,7 @@ class _LocalWriter:
     freed with its writer)."""
 
     _executors: dict[str, tuple[int, Any]] = {}  # root -> (pid, executor)
-    _sync: tuple[int | None, Any] = (None, None)  # (pid, executor) of sync_pool
+    _sync: dict[str, tuple[int, Any]] = {}  # root -> (pid, executor) of sync_pool
     _lock = threading.Lock()
 
     def __init__(self, root: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -583,16 +604,19 @@ class _LocalWriter:
             return ex
 
     @classmethod
-    def sync_pool(cls) -> Any:
-        """The threads that write and fsync batches' files at once (:data:`LOCAL_SYNC_THREADS`), shared by every
-        root's writer in this process (made anew in a forked child)."""
+    def sync_pool(cls, root: str) -> Any:
+        """The threads that write and fsync the batches' files of profile root ``root`` at once
+        (:data:`LOCAL_SYNC_THREADS`; None when that is 1), in this process (made anew in a forked child). One set
+        per root, like the writer thread: a stuck filesystem holds only its own root's threads."""
         from concurrent.futures import ThreadPoolExecutor
 
+        if LOCAL_SYNC_THREADS <= 1:
+            return None
         with cls._lock:
-            pid, ex = cls._sync
+            pid, ex = cls._sync.get(root, (None, None))
             if pid != os.getpid():
                 ex = ThreadPoolExecutor(max_workers=LOCAL_SYNC_THREADS, thread_name_prefix="genartifact-file-sync")
-                cls._sync = (os.getpid(), ex)
+                cls._sync[root] = (os.getpid(), ex)
             return ex
 
     def write(self, dest: Path, data: bytes) -> asyncio.Future[None]:
@@ -615,7 +639,8 @@ class _LocalWriter:
         self.batches += 1
         self.objects += len(batch)
         try:
-            done = self.executor(self.root).submit(_write_local_batch, [(d, b) for d, b, _ in batch])
+            done = self.executor(self.root).submit(_write_local_batch, [(d, b) for d, b, _ in batch],
+                                                   self.sync_pool(self.root))
         except Exception as e:  # noqa: BLE001 - no writer thread to be had (interpreter shutdown): fail, never hang
             self._finish(batch, _writer_failed(batch, e))
             return
@@ -725,31 +750,75 @@ def _link_unnamed(fd: int, dir_fd: int, name: str) -> bool:
     return True
 
 
-def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]]) -> dict[int, BaseException | None]:
-    """:func:`_write_all` (write in full, then fsync) of each ``key -> (fd, data)``; several from up to
-    :data:`LOCAL_SYNC_THREADS` threads at once (:meth:`_LocalWriter.sync_pool`), one in this thread. Returns each
-    key's exception, None where written and fsynced; waits for all. Where no thread can be had (the interpreter is
-    shutting down, or :data:`LOCAL_SYNC_THREADS` is 1) the rest are written here, one after another."""
-    out: dict[int, BaseException | None] = {}
-    running: dict[int, Any] = {}
-    if len(files) > 1 and LOCAL_SYNC_THREADS > 1:
+class _SyncJob:
+    """One file's write and fsync (:func:`_write_all`) for :func:`_write_and_sync_all`, run at most once, by whoever
+    claims it first: a sync thread or the batch's own thread. A job the pool queued but could not start a thread
+    for (``ThreadPoolExecutor.submit`` queues its item before it starts a thread, and raises if that fails) is run
+    by the batch's thread instead; when a thread takes the stale item later, it finds the job claimed and leaves
+    the descriptor alone (by then it may be closed, or another file's)."""
+
+    __slots__ = ("fd", "data", "error", "done", "_lock", "_taken")
+
+    def __init__(self, fd: int, data: bytes) -> None:
+        self.fd, self.data = fd, data
+        self.error: BaseException | None = None
+        self.done = threading.Event()  # set once run (whoever ran it)
+        self._lock = threading.Lock()
+        self._taken = False
+
+    def claim(self) -> bool:
+        """Take the job; False if someone already has (it is running or has run)."""
+        with self._lock:
+            if self._taken:
+                return False
+            self._taken = True
+            return True
+
+    def run(self) -> None:
+        """Write and fsync, unless someone else has claimed the job. An Exception is kept in :attr:`error`; any
+        other BaseException propagates (:attr:`done` is set either way)."""
+        if not self.claim():
+            return
         try:
-            pool = _LocalWriter.sync_pool()
-            for k, (fd, data) in files.items():
-                running[k] = pool.submit(_write_all, fd, data)
-        except Exception:  # noqa: BLE001 - no thread to be had: the ones not submitted are written here
-            pass
-    for k, (fd, data) in files.items():
-        f = running.get(k)
-        if f is not None:
-            out[k] = f.exception()
-            continue
-        try:
-            _write_all(fd, data)
-            out[k] = None
-        except Exception as e:  # noqa: BLE001 - any failure is this file's
-            out[k] = e
-    return out
+            _write_all(self.fd, self.data)
+        except Exception as e:  # noqa: BLE001 - this file's failure
+            self.error = e
+        finally:
+            self.done.set()
+
+
+def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]], sync: Any = None) -> dict[int, BaseException | None]:
+    """:func:`_write_all` (write in full, then fsync) of each ``key -> (fd, data)``; returns each key's exception,
+    None where written and fsynced. With an executor ``sync`` and several files they run at once on its threads,
+    this thread taking any not yet started (:class:`_SyncJob`); without (or where it takes no more work: the
+    interpreter is shutting down, no thread can be started) one after another here. Returns only once no thread
+    is or will be touching a descriptor of ``files``: also when interrupted (a BaseException here waits for the
+    jobs already running, and claims the rest so that they never do)."""
+    jobs = {k: _SyncJob(fd, data) for k, (fd, data) in files.items()}
+    try:
+        if sync is not None and len(jobs) > 1:
+            for job in jobs.values():
+                try:
+                    sync.submit(job.run)
+                except Exception:  # noqa: BLE001 - takes no more: the rest here (one it queued anyway is claimed)
+                    break
+        for job in jobs.values():
+            job.run()  # here, unless a sync thread has it
+            job.done.wait()
+    finally:
+        for job in jobs.values():
+            if not job.claim():
+                job.done.wait()
+    return {k: job.error for k, job in jobs.items()}
+
+
+def _close_quiet(fd: int) -> None:
+    """``os.close``, its error ignored (the descriptor is released anyway, ``close(2)``; a file whose bytes matter was
+    fsynced before)."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _publish_named(dest: Path, data: bytes) -> None:
