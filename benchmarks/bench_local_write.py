@@ -89,7 +89,7 @@ def group_commit(ft, root: Path, args) -> None:
         for r in range(args.rounds):
             for side in rotation(sides, r):
                 ft.LOCAL_SYNC_THREADS = threads if side == "at once" else 1
-                sync = ft._LocalWriter.sync_pool(str(root))  # (None: one by one)
+                sync = ft._LocalWriter.sync_pool()  # (None: one by one)
                 d = root / f"batch-{side.replace(' ', '-')}-{r}"
                 ft._write_local_batch([(d / "warm-0", data), (d / "warm-1", data)], sync)  # directory made, threads up
                 c0, w0 = time.process_time(), time.perf_counter()

@@ -142,7 +142,7 @@ def test_a_batch_fsyncs_its_files_at_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fsync)
     res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(4)],
-                                ft._LocalWriter.sync_pool(str(tmp_path)))
+                                ft._LocalWriter.sync_pool())
     assert res == [None] * 4
     assert len(threads) >= 2
     assert sorted(os.listdir(tmp_path / "runs")) == [f"{i}.gart" for i in range(4)]

@@ -417,15 +417,14 @@ def test_fork_while_a_batch_is_in_flight(tmp_path, monkeypatch):
 def test_forked_child_writes_a_batch_with_sync_threads_of_its_own(tmp_path):
     """The parent's sync threads exist (a batch of two went through them) when the process forks; they are not in
     the child, whose batch of two is fsynced by threads of its own at once (no wait for threads that are gone)."""
-    root = str(tmp_path)
     jobs = [(tmp_path / "runs/p1.gart", b"1"), (tmp_path / "runs/p2.gart", b"2")]
-    assert ft._write_local_batch(jobs, ft._LocalWriter.sync_pool(root)) == [None] * 2
+    assert ft._write_local_batch(jobs, ft._LocalWriter.sync_pool()) == [None] * 2
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             res = ft._write_local_batch([(tmp_path / "runs/c1.gart", b"1"), (tmp_path / "runs/c2.gart", b"2")],
-                                        ft._LocalWriter.sync_pool(root))
+                                        ft._LocalWriter.sync_pool())
             code = 0 if res == [None, None] else 2
         finally:
             os._exit(code)
@@ -581,8 +580,9 @@ def test_a_sync_thread_that_cannot_start_never_writes_twice_or_into_another_file
 
 @pytest.mark.fault("managed", "one file:// root's filesystem stuck in fsync")
 def test_a_stuck_root_does_not_hold_another_roots_batches(tmp_path, monkeypatch):
-    """Root A's fsyncs hang (a stuck mount): a batch of root B is written by B's own writer and sync threads at once;
-    A's completes when its filesystem comes back."""
+    """Root A's fsyncs hang (a stuck mount) with its batch on every sync thread: a batch of root B is still written
+    at once, by B's own writer thread (it takes the jobs no sync thread has started); A's completes when its
+    filesystem comes back."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     stuck = threading.Event()
@@ -649,28 +649,26 @@ def test_a_close_error_fails_no_other_job(tmp_path, monkeypatch, fsync_fails):
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "close", close)
     res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"bad" if i == 1 else b"ok") for i in range(4)],
-                                ft._LocalWriter.sync_pool(str(tmp_path)))
+                                ft._LocalWriter.sync_pool())
     assert codes(res) == [None, "delivery_failed" if fsync_fails else None, None, None]
     assert sorted(os.listdir(tmp_path / "runs")) == [f"{i}.gart" for i in range(4) if not (fsync_fails and i == 1)]
     assert len(dir_syncs) == 1
 
 
+@pytest.mark.parametrize("again_s", [0, 0.05])
 @pytest.mark.fault("managed", "exception in the thread waiting for a file:// batch's fsyncs")
-def test_interrupted_wait_leaves_no_sync_thread_on_a_closed_descriptor(tmp_path, monkeypatch):
-    """The thread waiting for the batch's fsyncs is interrupted (a signal handler raises): it returns only once the
-    jobs already running are done, and the ones not started never run, so no sync thread touches a descriptor
-    after the batch has closed it (it could be another file's by then)."""
+def test_interrupted_batch_never_writes_into_another_file(tmp_path, monkeypatch, again_s):
+    """The thread waiting for the batch's fsyncs is interrupted (a signal handler raises; ``again_s``: again every so
+    often, as repeated Ctrl-C's) while sync threads are in slow writes: the exception comes out at once, and no job's
+    bytes ever reach a file opened afterwards (it may get a number the batch used): a job not started never runs,
+    and a running one closes its own descriptor when it is done."""
     (tmp_path / "runs").mkdir()
-    slow, real = threading.Event(), os.fsync
-    after: list[int] = []
-    returned = threading.Event()
+    real_write = os.write
 
-    def fsync(fd):
-        if returned.is_set():
-            after.append(fd)
-        if not stat.S_ISDIR(os.fstat(fd).st_mode) and threading.current_thread() is not threading.main_thread():
-            slow.wait(0.6)
-        return real(fd)
+    def write(fd, data):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        return real_write(fd, data)
 
     class Interrupt(Exception):
         pass
@@ -678,19 +676,125 @@ def test_interrupted_wait_leaves_no_sync_thread_on_a_closed_descriptor(tmp_path,
     def handler(*_):
         raise Interrupt
 
-    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "write", write)
     old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    signal.setitimer(signal.ITIMER_REAL, 0.1, again_s)
+    t0 = time.monotonic()
     try:
         with pytest.raises(Interrupt):
-            ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"x") for i in range(16)],
-                                  ft._LocalWriter.sync_pool(str(tmp_path)))
-        returned.set()
+            try:
+                ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"JOB%02d" % i) for i in range(16)],
+                                      ft._LocalWriter.sync_pool())
+            finally:
+                while True:  # (a repeated interrupt may land in here too)
+                    try:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                        break
+                    except Interrupt:
+                        pass
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    time.sleep(0.8)  # any stale sync thread would have run by now
-    assert after == []
+    assert time.monotonic() - t0 < 0.3  # did not wait for the slow writes
+    mine = [open(tmp_path / f"other{k}.txt", "wb", buffering=0) for k in range(16)]
+    time.sleep(0.8)  # every running job is done by now
+    for f in mine:
+        f.close()
+    assert [p.name for p in tmp_path.glob("other*") if p.read_bytes()] == []
+    assert os.listdir(tmp_path / "runs") == []  # no object: nothing was linked
+
+
+@pytest.mark.fault("managed", "interrupt between a file:// sync job's claim and its run")
+def test_interrupt_right_after_a_claim_does_not_hang_the_batch(tmp_path, monkeypatch):
+    """The batch's own thread is interrupted just after it claimed a job, before the job ran (a signal handler
+    raising as the claim's lock is released): the exception comes out; the batch does not wait for a job that
+    no one will ever finish."""
+
+    class Lock:  # threading.Lock whose first release raises, as a signal handler would at that point
+        fired = False
+
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __enter__(self):
+            self.lock.__enter__()
+
+        def __exit__(self, *a):
+            self.lock.__exit__(*a)
+            if not Lock.fired:
+                Lock.fired = True
+                raise KeyboardInterrupt
+
+    real_init = ft._SyncJob.__init__
+
+    def init(self, fd, data):
+        real_init(self, fd, data)
+        self._lock = Lock()
+
+    monkeypatch.setattr(ft._SyncJob, "__init__", init)
+    fds = [os.open(tmp_path / f"f{i}", os.O_WRONLY | os.O_CREAT) for i in range(2)]
+    out = {}
+
+    def batch():
+        try:
+            ft._write_and_sync_all({i: (fd, b"x") for i, fd in enumerate(fds)}, None)
+            out["r"] = "returned"
+        except KeyboardInterrupt:
+            out["r"] = "interrupted"
+
+    th = threading.Thread(target=batch, daemon=True)
+    th.start()
+    th.join(3)
+    assert out.get("r") == "interrupted"
+    for fd in fds:  # closed by the interrupted call (its contract), so closing again fails
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_a_key_under_an_earlier_jobs_key_meets_it_in_job_order(tmp_path):
+    """Jobs ``runs/a`` then ``runs/a/b`` in one batch: as one after the other, the first is stored (a file) and the
+    second cannot have ``runs/a`` as its directory (delivery_failed); the second's directory is not made before the
+    first is linked."""
+    (tmp_path / "runs").mkdir()
+    res = ft._write_local_batch([(tmp_path / "runs/a", b"1"), (tmp_path / "runs/a/b", b"2")], ft._LocalWriter.sync_pool())
+    assert codes(res) == [None, "delivery_failed"]
+    assert (tmp_path / "runs/a").read_bytes() == b"1"
+
+
+def test_sync_thread_count_changed_at_runtime(monkeypatch):
+    """LOCAL_SYNC_THREADS set anew takes effect for the next batch (a new pool of that size; 1: none)."""
+    for n in (2, 5):
+        monkeypatch.setattr(ft, "LOCAL_SYNC_THREADS", n)
+        assert ft._LocalWriter.sync_pool()._max_workers == n
+    monkeypatch.setattr(ft, "LOCAL_SYNC_THREADS", 1)
+    assert ft._LocalWriter.sync_pool() is None
+
+
+@pytest.mark.parametrize("spare", [17, 18, 19, 24])
+@pytest.mark.fault("managed", "few descriptors left (EMFILE) at a key directory's open in a file:// batch")
+def test_a_batch_short_of_descriptors_for_its_directories_writes_the_rest_as_alone(tmp_path, spare):
+    """16 jobs, each in a directory of its own, with ``spare`` descriptors to spare: the group runs out at a
+    directory's open or a file's (odd and even spares); the jobs from there on are written one by one, as alone:
+    every object stored. (A batch keeps each key directory open until its group commit, so 16 directories need
+    17 descriptors at least, as before files were fsynced at once.)"""
+    for i in range(16):
+        (tmp_path / f"runs/d{i}").mkdir(parents=True)
+    sync = ft._LocalWriter.sync_pool()
+    assert ft._write_local_batch([(tmp_path / "runs/w1", b"w"), (tmp_path / "runs/w2", b"w")], sync) == [None] * 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(n) for n in os.listdir("/proc/self/fd"))
+    fillers = []  # every free number up to the highest one in use taken: exactly `spare` numbers left below the limit
+    while (fd := os.open(os.devnull, os.O_RDONLY)) <= top:
+        fillers.append(fd)
+    os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1 + spare, hard))
+    try:
+        res = ft._write_local_batch([(tmp_path / f"runs/d{i}/o.gart", b"%d" % i) for i in range(16)], sync)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fillers:
+            os.close(fd)
+    assert res == [None] * 16
+    assert all((tmp_path / f"runs/d{i}/o.gart").read_bytes() == b"%d" % i for i in range(16))
 
 
 @pytest.mark.fault("managed", "few descriptors left (EMFILE) for a file:// batch")
@@ -699,7 +803,7 @@ def test_a_batch_short_of_descriptors_writes_the_rest_as_alone(tmp_path):
     first refused open on are written one by one once the others are closed, every object stored, as each would
     be alone."""
     (tmp_path / "runs").mkdir()
-    sync = ft._LocalWriter.sync_pool(str(tmp_path))
+    sync = ft._LocalWriter.sync_pool()
     assert ft._write_local_batch([(tmp_path / "runs/w1", b"w"), (tmp_path / "runs/w2", b"w")], sync) == [None] * 2
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     top = max(int(n) for n in os.listdir("/proc/self/fd"))

@@ -394,8 +394,8 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
     still names it (one moved away, removed or replaced meanwhile is opened again at the path, as alone).
 
     The objects go in groups of up to :data:`LOCAL_SYNC_GROUP`: each job's unnamed file is opened, then all of the
-    group's are written and fsynced at once by the threads of ``sync`` (the profile root's
-    :meth:`_LocalWriter.sync_pool`; None: one after another here) and this one (:func:`_write_and_sync_all`:
+    group's are written and fsynced at once by the threads of ``sync`` (:meth:`_LocalWriter.sync_pool`; None: one
+    after another here) and this one (:func:`_write_and_sync_all`:
     concurrent fsyncs share the journal's commits and the disk's cache flushes; one after another, each waits for
     its own), then each is linked, in job order, so that of two jobs for one key the first one wins. Jobs on a
     filesystem without ``O_TMPFILE``, a job whose key directory moved away since its file was opened, and the jobs
@@ -418,8 +418,9 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
         log.warning("managed_write_failed", errno=getattr(e, "errno", None), error_type=type(e).__name__)
         results[i] = DeliveryError("managed artifact write failed")
 
-    def key_dir(i: int) -> Any:
-        """Job ``i``'s key directory entry (made and opened if needed); None when that failed (its result set)."""
+    def key_dir(i: int, short_ok: bool = False) -> Any:
+        """Job ``i``'s key directory entry (made and opened if needed); None when that failed (its result set), or
+        with ``short_ok`` the string ``"short"`` when there was no descriptor for it (EMFILE, ENFILE: no result)."""
         dest = jobs[i][0]
         entry = dirs.get(dest.parent)
         if entry is not None and not _names_dir(dest.parent, entry[1]):
@@ -440,13 +441,17 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
                 entry = dirs[dest.parent] = (fd, (st.st_dev, st.st_ino), [], [])
                 opened.append((dest.parent, entry))
             except Exception as e:  # noqa: BLE001 - any failure is this job's delivery_failed
+                if short_ok and getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                    return "short"
                 failed(i, e)
                 return None
         return entry
 
     try:
-        for start in range(0, len(jobs), LOCAL_SYNC_GROUP):
-            group = range(start, min(start + LOCAL_SYNC_GROUP, len(jobs)))
+        start = 0
+        while start < len(jobs):
+            group = _sync_group(jobs, start)
+            start = group.stop
             staged: dict[int, tuple[int, Any]] = {}  # job -> (its unnamed file's fd, its key directory entry)
             named: set[int] = set()  # jobs on a filesystem without O_TMPFILE
             try:
@@ -454,7 +459,10 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
                 for i in group:  # each job's key directory and, where the filesystem has O_TMPFILE, unnamed file
                     if short:
                         continue
-                    entry = key_dir(i)
+                    entry = key_dir(i, short_ok=True)
+                    if entry == "short":
+                        short = True
+                        continue
                     if entry is None:
                         continue
                     try:
@@ -472,7 +480,11 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
                         named.add(i)
                     else:
                         staged[i] = (fd, entry)
-                errors = _write_and_sync_all({i: (fd, jobs[i][1]) for i, (fd, _) in staged.items()}, sync)
+                try:
+                    errors = _write_and_sync_all({i: (fd, jobs[i][1]) for i, (fd, _) in staged.items()}, sync)
+                except BaseException:
+                    staged.clear()  # interrupted: each descriptor is closed by it, or by the thread writing it
+                    raise
                 for i, err in errors.items():
                     if err is not None:
                         _close_quiet(staged.pop(i)[0])
@@ -533,6 +545,22 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
     return results
 
 
+def _sync_group(jobs: Sequence[tuple[Path, bytes]], start: int) -> range:
+    """The jobs from ``start`` that :func:`_write_local_batch` opens, writes and links together: at most
+    :data:`LOCAL_SYNC_GROUP`, ending before a job under a path that an earlier job of the group has as its key (its
+    directory would be made before that key is linked: the earlier job must meet the later one's directory no more
+    than it would in job order)."""
+    keys: set[Path] = set()
+    end = start
+    while end < len(jobs) and end - start < LOCAL_SYNC_GROUP:
+        dest = jobs[end][0]
+        if keys and any(p in keys for p in dest.parents):
+            break
+        keys.add(dest)
+        end += 1
+    return range(start, end)
+
+
 def _names_dir(path: Path, ident: tuple[int, int]) -> bool:
     """``path`` is (still) the directory ``(st_dev, st_ino)``."""
     try:
@@ -553,7 +581,7 @@ LOCAL_BATCH_MAX_JOBS = 64
 #: a batch's files are written and fsynced this many at a time (:func:`_write_local_batch`; each holds a descriptor
 #: until it is linked)
 LOCAL_SYNC_GROUP = 16
-#: threads that write and fsync a batch's files at once (:func:`_write_and_sync_all`), per profile root and process:
+#: threads that write and fsync batches' files at once (:func:`_write_and_sync_all`), per process:
 #: concurrent fsyncs share the journal's commits and the disk's cache flushes, where one after another each waits
 #: for its own (a batch of 16 small objects on this project's VM: 20-45 % less wall time, docs/benchmarks.md);
 #: 1: one after another in the writer's thread
@@ -573,15 +601,16 @@ class _LocalWriter:
     objects. Each delivery's result is exactly what :func:`_write_local_create_only` gives it alone; a batch the
     writer thread cannot take (the interpreter is shutting down) fails its deliveries at once.
 
-    The writer is a one-thread ``ThreadPoolExecutor`` per profile root (a slow filesystem never delays another
-    root's writes), made per process (a forked child makes its own, and remakes the table's lock: the parent's
+    The writer is a one-thread ``ThreadPoolExecutor`` per profile root (a slow filesystem never stops another
+    root's writes: the sync threads that fsync a batch's files at once are shared, :meth:`sync_pool`, but a batch's
+    own writer thread writes whatever no sync thread has started), made per process (a forked child makes its own, and remakes the table's lock: the parent's
     thread is not in it), so an interpreter exit waits for writes in progress as it does for ``asyncio.to_thread``.
     A delivery whose caller stops waiting (timeout, cancellation) still completes in the thread, as with
     ``to_thread``. The writer holds its loop weakly (the per-loop table is weak on the loop: a finished loop is
     freed with its writer)."""
 
     _executors: dict[str, tuple[int, Any]] = {}  # root -> (pid, executor)
-    _sync: dict[str, tuple[int, Any]] = {}  # root -> (pid, executor) of sync_pool
+    _sync: tuple[int | None, int, Any] = (None, 0, None)  # (pid, threads, executor) of sync_pool
     _lock = threading.Lock()
 
     def __init__(self, root: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -604,19 +633,25 @@ class _LocalWriter:
             return ex
 
     @classmethod
-    def sync_pool(cls, root: str) -> Any:
-        """The threads that write and fsync the batches' files of profile root ``root`` at once
-        (:data:`LOCAL_SYNC_THREADS`; None when that is 1), in this process (made anew in a forked child). One set
-        per root, like the writer thread: a stuck filesystem holds only its own root's threads."""
+    def sync_pool(cls) -> Any:
+        """The threads that write and fsync batches' files at once (:data:`LOCAL_SYNC_THREADS` of them; None when
+        that is 1), shared by every profile root's writer in this process: made anew in a forked child, and when
+        :data:`LOCAL_SYNC_THREADS` has changed (the old pool finishes what it has, then its threads end). A root
+        whose filesystem hangs can hold them all; the other roots' batches then write their files in their own
+        writer thread, one after another (:func:`_write_and_sync_all`: the batch's thread takes every job not yet
+        started), so a stuck filesystem slows another root's writes but never stops them."""
         from concurrent.futures import ThreadPoolExecutor
 
-        if LOCAL_SYNC_THREADS <= 1:
+        n = LOCAL_SYNC_THREADS
+        if n <= 1:
             return None
         with cls._lock:
-            pid, ex = cls._sync.get(root, (None, None))
-            if pid != os.getpid():
-                ex = ThreadPoolExecutor(max_workers=LOCAL_SYNC_THREADS, thread_name_prefix="genartifact-file-sync")
-                cls._sync[root] = (os.getpid(), ex)
+            pid, threads, ex = cls._sync
+            if pid != os.getpid() or threads != n:
+                if pid == os.getpid() and ex is not None:
+                    ex.shutdown(wait=False)
+                ex = ThreadPoolExecutor(max_workers=n, thread_name_prefix="genartifact-file-sync")
+                cls._sync = (os.getpid(), n, ex)
             return ex
 
     def write(self, dest: Path, data: bytes) -> asyncio.Future[None]:
@@ -640,7 +675,7 @@ class _LocalWriter:
         self.objects += len(batch)
         try:
             done = self.executor(self.root).submit(_write_local_batch, [(d, b) for d, b, _ in batch],
-                                                   self.sync_pool(self.root))
+                                                   self.sync_pool())
         except Exception as e:  # noqa: BLE001 - no writer thread to be had (interpreter shutdown): fail, never hang
             self._finish(batch, _writer_failed(batch, e))
             return
@@ -755,28 +790,31 @@ class _SyncJob:
     claims it first: a sync thread or the batch's own thread. A job the pool queued but could not start a thread
     for (``ThreadPoolExecutor.submit`` queues its item before it starts a thread, and raises if that fails) is run
     by the batch's thread instead; when a thread takes the stale item later, it finds the job claimed and leaves
-    the descriptor alone (by then it may be closed, or another file's)."""
+    the descriptor alone. A job whose batch gave up waiting (:meth:`abandon`) closes its descriptor itself when it
+    is done, so that no descriptor is closed while a thread may still write it."""
 
-    __slots__ = ("fd", "data", "error", "done", "_lock", "_taken")
+    __slots__ = ("fd", "data", "error", "done", "_lock", "_owner", "_finished", "_abandoned")
 
     def __init__(self, fd: int, data: bytes) -> None:
         self.fd, self.data = fd, data
         self.error: BaseException | None = None
         self.done = threading.Event()  # set once run (whoever ran it)
         self._lock = threading.Lock()
-        self._taken = False
+        self._owner: int | None = None  # the thread that claimed it
+        self._finished = False
+        self._abandoned = False
 
     def claim(self) -> bool:
-        """Take the job; False if someone already has (it is running or has run)."""
+        """Take the job for this thread; False if someone already has (it is running or has run)."""
         with self._lock:
-            if self._taken:
+            if self._owner is not None:
                 return False
-            self._taken = True
+            self._owner = threading.get_ident()
             return True
 
     def run(self) -> None:
         """Write and fsync, unless someone else has claimed the job. An Exception is kept in :attr:`error`; any
-        other BaseException propagates (:attr:`done` is set either way)."""
+        other BaseException propagates."""
         if not self.claim():
             return
         try:
@@ -784,16 +822,34 @@ class _SyncJob:
         except Exception as e:  # noqa: BLE001 - this file's failure
             self.error = e
         finally:
+            with self._lock:
+                self._finished = True
+                close = self._abandoned
+            if close:
+                _close_quiet(self.fd)
             self.done.set()
+
+    def abandon(self) -> None:
+        """The batch stops waiting for this job (it was interrupted): the descriptor is closed now where no other
+        thread can touch it any more (never started: now it never will; finished; or claimed by this very thread,
+        whose run was cut short), else by the thread running the job, once done. Never blocks."""
+        with self._lock:
+            if self._owner is None:
+                self._owner = threading.get_ident()
+            mine = self._finished or self._owner == threading.get_ident()
+            self._abandoned = not mine
+        if mine:
+            _close_quiet(self.fd)
 
 
 def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]], sync: Any = None) -> dict[int, BaseException | None]:
     """:func:`_write_all` (write in full, then fsync) of each ``key -> (fd, data)``; returns each key's exception,
     None where written and fsynced. With an executor ``sync`` and several files they run at once on its threads,
     this thread taking any not yet started (:class:`_SyncJob`); without (or where it takes no more work: the
-    interpreter is shutting down, no thread can be started) one after another here. Returns only once no thread
-    is or will be touching a descriptor of ``files``: also when interrupted (a BaseException here waits for the
-    jobs already running, and claims the rest so that they never do)."""
+    interpreter is shutting down, no thread can be started) one after another here. Returns once every job is
+    done; the caller closes the descriptors. Interrupted (a BaseException here, e.g. from a signal handler), it
+    does not wait: every descriptor of ``files`` is then closed, now or by the thread still writing it when that
+    is done (:meth:`_SyncJob.abandon`), and the caller must not close them."""
     jobs = {k: _SyncJob(fd, data) for k, (fd, data) in files.items()}
     try:
         if sync is not None and len(jobs) > 1:
@@ -805,10 +861,10 @@ def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]], sync: Any = None
         for job in jobs.values():
             job.run()  # here, unless a sync thread has it
             job.done.wait()
-    finally:
+    except BaseException:
         for job in jobs.values():
-            if not job.claim():
-                job.done.wait()
+            job.abandon()
+        raise
     return {k: job.error for k, job in jobs.items()}
 
 
