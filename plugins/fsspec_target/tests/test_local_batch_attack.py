@@ -814,3 +814,107 @@ def test_a_batch_short_of_descriptors_writes_the_rest_as_alone(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert res == [None] * 16
     assert all((tmp_path / f"runs/{i}.gart").read_bytes() == b"%d" % i for i in range(16))
+
+
+@pytest.mark.fault("managed", "interrupt right after a file:// batch closes a staged file to write it again")
+def test_interrupt_after_a_close_never_closes_that_number_twice(tmp_path, monkeypatch):
+    """The key directory moves while the group's files are fsynced, so the link step closes the staged file to write
+    the job again; an interrupt lands right after that close, when another thread has just opened a file under the
+    same number: that file stays open (the number is not closed a second time)."""
+    d = tmp_path / "runs/d"
+    d.mkdir(parents=True)
+    real_fsync, real_close = os.fsync, os.close
+    state = {"moved": False, "armed": False, "app": None}
+
+    def fsync(fd):
+        r = real_fsync(fd)
+        if not state["moved"] and "(deleted)" in os.readlink(f"/proc/self/fd/{fd}"):
+            state["moved"] = state["armed"] = True  # a concurrent rename of the key directory
+            os.rename(d, tmp_path / "runs/moved")
+            d.mkdir()
+        return r
+
+    def close(fd):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}") if state["armed"] else ""
+        except OSError:
+            target = ""
+        real_close(fd)
+        if "moved" in target and "(deleted)" in target:
+            state["armed"] = False
+            state["app"] = os.open(tmp_path / "app.log", os.O_WRONLY | os.O_CREAT, 0o644)  # the number just freed
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "close", close)
+    with pytest.raises(KeyboardInterrupt):
+        ft._write_local_batch([(d / "k0", b"job0"), (d / "k1", b"job1")], None)
+    monkeypatch.undo()
+    assert state["app"] is not None
+    os.fstat(state["app"])  # still open
+    os.close(state["app"])
+
+
+def test_a_busy_pool_keeps_no_bytes_of_finished_batches(tmp_path, monkeypatch):
+    """Root A's batch holds every sync thread (its fsyncs hang); root B's batches are written by B's own thread and
+    leave their never-started items in the shared queue: those items hold no object bytes (memory stays bounded
+    while a mount hangs)."""
+    stuck, real = threading.Event(), os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "a")):
+            stuck.wait(10)
+        return real(fd)
+
+    jobs, real_init = [], ft._SyncJob.__init__
+
+    def init(self, fd, data):
+        real_init(self, fd, data)
+        jobs.append(self)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(ft._SyncJob, "__init__", init)
+    sync = ft._LocalWriter.sync_pool()
+    a = threading.Thread(target=ft._write_local_batch,
+                         args=([(tmp_path / f"a/{i}", b"a") for i in range(ft.LOCAL_SYNC_THREADS + 1)], sync))
+    a.start()
+    try:
+        time.sleep(0.2)
+        del jobs[:]
+        for n in range(3):
+            res = ft._write_local_batch([(tmp_path / f"b/{n}-{i}", b"B" * 65536) for i in range(16)], sync)
+            assert res == [None] * 16
+        assert len(jobs) == 48 and sum(len(j.data) for j in jobs) == 0  # (queued items still refer to them)
+    finally:
+        stuck.set()
+        a.join(10)
+
+
+@pytest.mark.parametrize("where", ["building", "abandoning"])
+@pytest.mark.fault("managed", "interrupt while a file:// batch sets up or abandons its sync jobs")
+def test_interrupt_while_setting_up_or_abandoning_leaves_no_file_open(tmp_path, monkeypatch, where):
+    """An interrupt while the jobs are made, or a second one while an interrupted batch abandons them: every
+    descriptor of the group is still closed (none left open for the life of the process)."""
+    fds = [os.open(tmp_path, os.O_WRONLY | ft._O_TMPFILE, 0o600) for _ in range(6)]
+    real_init, real_abandon = ft._SyncJob.__init__, ft._SyncJob.abandon
+    made = []
+
+    def init(self, fd, data):
+        real_init(self, fd, data)
+        made.append(self)
+        if len(made) == 3:
+            raise KeyboardInterrupt
+
+    def abandon(self):
+        real_abandon(self)
+        if self is made[0]:
+            raise KeyboardInterrupt  # the second interrupt, inside the clean-up
+
+    monkeypatch.setattr(ft._SyncJob, "__init__", init)
+    if where == "abandoning":
+        monkeypatch.setattr(ft._SyncJob, "abandon", abandon)
+    with pytest.raises(KeyboardInterrupt):
+        ft._write_and_sync_all({i: (fd, b"x") for i, fd in enumerate(fds)}, None)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)

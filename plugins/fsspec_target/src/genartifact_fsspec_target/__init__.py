@@ -499,9 +499,9 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
                         if fd is not None and _names_dir(dest.parent, entry[1]):
                             how = "linked" if _link_unnamed(fd, entry[0], dest.name) else "named"  # (no /proc)
                         if how != "linked":  # written as alone
-                            if fd is not None:
-                                _close_quiet(fd)  # (its descriptor back first: the group may be short of them)
-                                fd = None
+                            if fd is not None:  # (its descriptor back first: the group may be short of them;
+                                f, fd = fd, None  # fd cleared first: the finally below must not close it again)
+                                _close_quiet(f)
                             entry = key_dir(i)
                             if entry is None:
                                 continue
@@ -822,6 +822,7 @@ class _SyncJob:
         except Exception as e:  # noqa: BLE001 - this file's failure
             self.error = e
         finally:
+            self.data = b""  # a queued item of the job may outlive it (a pool busy elsewhere): not its bytes
             with self._lock:
                 self._finished = True
                 close = self._abandoned
@@ -833,6 +834,7 @@ class _SyncJob:
         """The batch stops waiting for this job (it was interrupted): the descriptor is closed now where no other
         thread can touch it any more (never started: now it never will; finished; or claimed by this very thread,
         whose run was cut short), else by the thread running the job, once done. Never blocks."""
+        self.data = b""  # (a running write has its own reference)
         with self._lock:
             if self._owner is None:
                 self._owner = threading.get_ident()
@@ -850,8 +852,10 @@ def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]], sync: Any = None
     done; the caller closes the descriptors. Interrupted (a BaseException here, e.g. from a signal handler), it
     does not wait: every descriptor of ``files`` is then closed, now or by the thread still writing it when that
     is done (:meth:`_SyncJob.abandon`), and the caller must not close them."""
-    jobs = {k: _SyncJob(fd, data) for k, (fd, data) in files.items()}
+    jobs: dict[int, _SyncJob] = {}
     try:
+        for k, (fd, data) in files.items():
+            jobs[k] = _SyncJob(fd, data)
         if sync is not None and len(jobs) > 1:
             for job in jobs.values():
                 try:
@@ -862,8 +866,15 @@ def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]], sync: Any = None
             job.run()  # here, unless a sync thread has it
             job.done.wait()
     except BaseException:
-        for job in jobs.values():
-            job.abandon()
+        for k, (fd, _) in files.items():  # every one, even if interrupted again meanwhile
+            try:
+                job = jobs.get(k)
+                if job is None:  # interrupted before its job was made: no thread has it
+                    _close_quiet(fd)
+                else:
+                    job.abandon()
+            except BaseException:  # noqa: BLE001 - a second interrupt: the first one is the one raised
+                pass
         raise
     return {k: job.error for k, job in jobs.items()}
 
