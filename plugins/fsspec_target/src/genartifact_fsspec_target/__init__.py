@@ -393,14 +393,14 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
     returned — for fewer fsyncs. A key directory opened for an earlier job is reused only while the key's path
     still names it (one moved away, removed or replaced meanwhile is opened again at the path, as alone).
 
-    The objects go in groups of up to :data:`LOCAL_SYNC_GROUP`: each job's unnamed file is opened, then all of the
-    group's are written and fsynced at once by the threads of ``sync`` (:meth:`_LocalWriter.sync_pool`; None: one
-    after another here) and this one (:func:`_write_and_sync_all`:
+    The objects go in groups (:func:`_sync_group`: up to :data:`LOCAL_SYNC_GROUP`): each job's unnamed file is
+    opened, then all of the group's files are written and fsynced at once by the threads of ``sync``
+    (:meth:`_LocalWriter.sync_pool`; None: one after another here) and this one (:func:`_write_and_sync_all`:
     concurrent fsyncs share the journal's commits and the disk's cache flushes; one after another, each waits for
     its own), then each is linked, in job order, so that of two jobs for one key the first one wins. Jobs on a
     filesystem without ``O_TMPFILE``, a job whose key directory moved away since its file was opened, and the jobs
-    of a group from the one whose file could not be opened for want of descriptors (EMFILE, ENFILE) on, are written
-    one by one at the link step, as alone (once the group's earlier files are closed).
+    of a group from the first one short of a descriptor (EMFILE, ENFILE, at its directory's or its file's open)
+    on, are written one by one at the link step, as alone (the group's earlier files closed by then).
 
     Returns one result per job, in order: None (stored and durable) or the :class:`DeliveryError` that job would
     have raised alone (``object_exists``, ``delivery_failed``; any exception, not only an OSError, fails just its
@@ -602,9 +602,10 @@ class _LocalWriter:
     writer thread cannot take (the interpreter is shutting down) fails its deliveries at once.
 
     The writer is a one-thread ``ThreadPoolExecutor`` per profile root (a slow filesystem never stops another
-    root's writes: the sync threads that fsync a batch's files at once are shared, :meth:`sync_pool`, but a batch's
-    own writer thread writes whatever no sync thread has started), made per process (a forked child makes its own, and remakes the table's lock: the parent's
-    thread is not in it), so an interpreter exit waits for writes in progress as it does for ``asyncio.to_thread``.
+    root's writes: the sync threads that fsync a batch's files at once are shared, :meth:`sync_pool`, but a
+    batch's own writer thread writes whatever no sync thread has started), made per process (a forked child makes
+    its own, and remakes the table's lock: the parent's thread is not in it), so an interpreter exit waits for
+    writes in progress as it does for ``asyncio.to_thread``.
     A delivery whose caller stops waiting (timeout, cancellation) still completes in the thread, as with
     ``to_thread``. The writer holds its loop weakly (the per-loop table is weak on the loop: a finished loop is
     freed with its writer)."""
@@ -756,7 +757,7 @@ def _publish_unnamed(dir_fd: int, name: str, data: bytes) -> bool:
         _write_all(fd, data)
         return _link_unnamed(fd, dir_fd, name)
     finally:
-        os.close(fd)
+        _close_quiet(fd)  # (once linked, its bytes were fsynced: a close error changes nothing)
 
 
 def _open_unnamed(dir_fd: int) -> int | None:
