@@ -361,6 +361,9 @@ _O_TMPFILE = getattr(os, "O_TMPFILE", 0)
 #: filesystem, EISDIR from kernels older than O_TMPFILE, which see a directory opened for writing) and of
 #: ``linkat`` through ``/proc/self/fd`` where ``/proc`` is not mounted (ENOENT): each falls back to a named temp
 _NO_TMPFILE_ERRNOS = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT})
+#: errnos of an ``open(2)`` refused for want of a descriptor (the process's limit, the system's): a batch's group
+#: then writes its remaining jobs one by one (:func:`_write_local_batch`)
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 
 
 def _write_local_create_only(dest: Path, data: bytes) -> None:
@@ -441,7 +444,7 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
                 entry = dirs[dest.parent] = (fd, (st.st_dev, st.st_ino), [], [])
                 opened.append((dest.parent, entry))
             except Exception as e:  # noqa: BLE001 - any failure is this job's delivery_failed
-                if short_ok and getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                if short_ok and getattr(e, "errno", None) in _OUT_OF_DESCRIPTORS:
                     return "short"
                 failed(i, e)
                 return None
@@ -455,25 +458,17 @@ def _write_local_batch(jobs: Sequence[tuple[Path, bytes]], sync: Any = None) -> 
             staged: dict[int, tuple[int, Any]] = {}  # job -> (its unnamed file's fd, its key directory entry)
             named: set[int] = set()  # jobs on a filesystem without O_TMPFILE
             try:
-                short = False  # out of descriptors: the group's jobs from here on are written as alone
                 for i in group:  # each job's key directory and, where the filesystem has O_TMPFILE, unnamed file
-                    if short:
-                        continue
                     entry = key_dir(i, short_ok=True)
-                    if entry == "short":
-                        short = True
-                        continue
+                    if entry == "short":  # out of descriptors: the group's jobs from here on are written as alone
+                        break
                     if entry is None:
                         continue
                     try:
                         fd = _open_unnamed(entry[0])
-                    except OSError as e:
-                        if e.errno in (errno.EMFILE, errno.ENFILE):
-                            short = True
-                        else:
-                            failed(i, e)
-                        continue
                     except Exception as e:  # noqa: BLE001 - any failure is this job's delivery_failed
+                        if getattr(e, "errno", None) in _OUT_OF_DESCRIPTORS:
+                            break
                         failed(i, e)
                         continue
                     if fd is None:
