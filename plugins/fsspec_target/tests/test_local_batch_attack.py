@@ -6,6 +6,7 @@ exactly the result it would get alone, nothing partial is ever visible, and noth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import os
@@ -38,6 +39,25 @@ def codes(results):
 
 def dir_path(fd):
     return os.readlink(f"/proc/self/fd/{fd}")
+
+
+@contextlib.contextmanager
+def spare_descriptors(n):
+    """RLIMIT_NOFILE set so that exactly ``n`` descriptor numbers are free below it: every free number up to the
+    highest one in use is taken first (``/dev/null``), since a limit above that alone leaves the holes free too."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(x) for x in os.listdir("/proc/self/fd"))
+    fillers = []
+    while (fd := os.open(os.devnull, os.O_RDONLY)) <= top:
+        fillers.append(fd)
+    os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1 + n, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fillers:
+            os.close(fd)
 
 
 def all_files(root):
@@ -780,19 +800,8 @@ def test_a_batch_short_of_descriptors_for_its_directories_writes_the_rest_as_alo
         (tmp_path / f"runs/d{i}").mkdir(parents=True)
     sync = ft._LocalWriter.sync_pool()
     assert ft._write_local_batch([(tmp_path / "runs/w1", b"w"), (tmp_path / "runs/w2", b"w")], sync) == [None] * 2
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = max(int(n) for n in os.listdir("/proc/self/fd"))
-    fillers = []  # every free number up to the highest one in use taken: exactly `spare` numbers left below the limit
-    while (fd := os.open(os.devnull, os.O_RDONLY)) <= top:
-        fillers.append(fd)
-    os.close(fd)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1 + spare, hard))
-    try:
+    with spare_descriptors(spare):
         res = ft._write_local_batch([(tmp_path / f"runs/d{i}/o.gart", b"%d" % i) for i in range(16)], sync)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        for fd in fillers:
-            os.close(fd)
     assert res == [None] * 16
     assert all((tmp_path / f"runs/d{i}/o.gart").read_bytes() == b"%d" % i for i in range(16))
 
@@ -805,13 +814,8 @@ def test_a_batch_short_of_descriptors_writes_the_rest_as_alone(tmp_path):
     (tmp_path / "runs").mkdir()
     sync = ft._LocalWriter.sync_pool()
     assert ft._write_local_batch([(tmp_path / "runs/w1", b"w"), (tmp_path / "runs/w2", b"w")], sync) == [None] * 2
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = max(int(n) for n in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1 + 5, hard))
-    try:
+    with spare_descriptors(5):
         res = ft._write_local_batch([(tmp_path / f"runs/{i}.gart", b"%d" % i) for i in range(16)], sync)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert res == [None] * 16
     assert all((tmp_path / f"runs/{i}.gart").read_bytes() == b"%d" % i for i in range(16))
 
