@@ -756,7 +756,7 @@ def test_interrupt_right_after_a_claim_does_not_hang_the_batch(tmp_path, monkeyp
 
     def batch():
         try:
-            ft._write_and_sync_all({i: (fd, b"x") for i, fd in enumerate(fds)}, None)
+            ft._write_and_sync_all({i: (fd, b"x") for i, fd in enumerate(fds)}, QueuesThenRefuses(1))  # (no thread)
             out["r"] = "returned"
         except KeyboardInterrupt:
             out["r"] = "interrupted"
@@ -917,6 +917,27 @@ def test_interrupt_while_setting_up_or_abandoning_leaves_no_file_open(tmp_path, 
     monkeypatch.setattr(ft._SyncJob, "__init__", init)
     if where == "abandoning":
         monkeypatch.setattr(ft._SyncJob, "abandon", abandon)
+    with pytest.raises(KeyboardInterrupt):
+        ft._write_and_sync_all({i: (fd, b"x") for i, fd in enumerate(fds)}, QueuesThenRefuses(1))  # (no thread)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+@pytest.mark.fault("managed", "interrupt while a file:// batch writes its files in its own thread")
+def test_interrupt_while_writing_without_sync_threads_leaves_no_file_open(tmp_path, monkeypatch):
+    """No sync threads (``sync`` None: every lone delivery): an interrupt while the second of three files is written
+    comes out, and every descriptor is closed (the caller must not close them again)."""
+    fds = [os.open(tmp_path, os.O_WRONLY | ft._O_TMPFILE, 0o600) for _ in range(3)]
+    real, n = ft._write_all, []
+
+    def write_all(fd, data):
+        n.append(fd)
+        if len(n) == 2:
+            raise KeyboardInterrupt
+        return real(fd, data)
+
+    monkeypatch.setattr(ft, "_write_all", write_all)
     with pytest.raises(KeyboardInterrupt):
         ft._write_and_sync_all({i: (fd, b"x") for i, fd in enumerate(fds)}, None)
     for fd in fds:

@@ -850,14 +850,22 @@ def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]], sync: Any = None
     is done (:meth:`_SyncJob.abandon`), and the caller must not close them."""
     jobs: dict[int, _SyncJob] = {}
     try:
+        if sync is None or len(files) < 2:  # no thread to share with (every lone delivery): no job to claim either
+            out: dict[int, BaseException | None] = {}
+            for k, (fd, data) in files.items():
+                try:
+                    _write_all(fd, data)
+                    out[k] = None
+                except Exception as e:  # noqa: BLE001 - this file's failure
+                    out[k] = e
+            return out
         for k, (fd, data) in files.items():
             jobs[k] = _SyncJob(fd, data)
-        if sync is not None and len(jobs) > 1:
-            for job in jobs.values():
-                try:
-                    sync.submit(job.run)
-                except Exception:  # noqa: BLE001 - takes no more: the rest here (one it queued anyway is claimed)
-                    break
+        for job in jobs.values():
+            try:
+                sync.submit(job.run)
+            except Exception:  # noqa: BLE001 - takes no more: the rest here (one it queued anyway is claimed)
+                break
         for job in jobs.values():
             job.run()  # here, unless a sync thread has it
             job.done.wait()
@@ -865,7 +873,7 @@ def _write_and_sync_all(files: Mapping[int, tuple[int, bytes]], sync: Any = None
         for k, (fd, _) in files.items():  # every one, even if interrupted again meanwhile
             try:
                 job = jobs.get(k)
-                if job is None:  # interrupted before its job was made: no thread has it
+                if job is None:  # written here, or interrupted before its job was made: no thread has it
                     _close_quiet(fd)
                 else:
                     job.abandon()
