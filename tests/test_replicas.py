@@ -87,7 +87,9 @@ async def test_a_dead_replica_fails_only_its_in_flight_rows(cluster, s3_server, 
     def on_receipt(receipt: dict) -> None:
         if killed or receipt.get("replica") != 1 or receipt["state"] != "ready":
             return
-        pid = ray.get(ray.get_actor(actor_name("dead-replica", 1)).pid.remote())
+        actor = ray.get_actor(actor_name("dead-replica", 1))
+        assert ray.get(actor.heap_frozen.remote()) > 100_000  # its start-up heap: no full-heap GC pauses in the run
+        pid = ray.get(actor.pid.remote())
         killed["children"] = psutil.Process(pid).children(recursive=True)
         os.kill(pid, signal.SIGKILL)  # the replica's process dies (as on an OOM kill or a lost node)
 

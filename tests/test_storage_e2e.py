@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -273,6 +274,8 @@ path = "{tmp_path}/journal.jsonl"
     assert [r["state"] for r in receipts] == ["ready"] * 4
     assert [r["object_id"].split(":")[0] for r in receipts][::2] == ["s3", "s3"]
     assert "X-Amz-Signature" not in proc.stderr + proc.stdout + out.read_text()
+    frozen = re.search(r"generate_heap_frozen\s+objects=(\d+)", proc.stderr + proc.stdout)  # no full-heap GC pauses
+    assert frozen and int(frozen.group(1)) > 100_000, proc.stderr[-3000:]
     # inspect reads a managed object back from the S3 server through an fsspec URL
     key = receipts[0]["object_id"].split(":", 1)[1]
     proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "inspect", f"s3://{s3_server['bucket']}/job/{key}",

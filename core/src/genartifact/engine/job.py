@@ -690,7 +690,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
                        contents: list[str], target: str, max_tokens: int, run_id: str,
                        engine_kwargs: Mapping[str, Any], progress: bool = True, writer: ReceiptsWriter | None = None,
                        done: Mapping[Any, Mapping[str, Any]] | None = None,
-                       stop: dict[str, Any] | None = None, resume: bool = False) -> list[dict[str, Any]]:
+                       stop: dict[str, Any] | None = None, resume: bool = False,
+                       freeze_heap: bool = False) -> list[dict[str, Any]]:
     """Validate every row, then run the valid ones concurrently through one engine; one receipt per prompt,
     one per sample for a ``"n" > 1`` row (:func:`run_group`; ``rejected`` for rows refused before inference),
     returned in input order (then sample order) and, with ``writer``, appended to it as each request ends.
@@ -698,7 +699,9 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
     are skipped, and of a group only the samples without a ready receipt run again (as a new group attempt
     with its own prompt part). ``resume``: this is a ``--resume`` run (objects an earlier run stored are
     recognised by read-back, even without a journal or any receipt). ``stop``: filled with ``{"signal":
-    signum}`` when SIGINT/SIGTERM stopped the run."""
+    signum}`` when SIGINT/SIGTERM stopped the run. ``freeze_heap``: this process is the run's own (the CLI):
+    freeze its start-up heap once the engine started (:func:`~genartifact.engine.vllm_adapter.freeze_startup_heap`:
+    no full-heap GC pauses during the run)."""
     from tqdm import tqdm
 
     done = done or {}
@@ -785,7 +788,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         stop["signal"] = signum
         raise _Interrupted(signum)
 
-    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.engine.vllm_adapter import VllmEngine, freeze_startup_heap
 
     for s in EXIT_SIGNAL:  # engine start blocks the event loop: a plain handler interrupts it promptly
         signal.signal(s, startup_signal)
@@ -798,6 +801,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
                 loop.add_signal_handler(s, on_signal, s)
         if "signal" in stop:
             raise _Interrupted(stop["signal"])
+        if freeze_heap:
+            log.info("generate_heap_frozen", objects=freeze_startup_heap())
         bar = tqdm(total=len(specs), desc="generate", unit="req", disable=not progress)
 
         async def one(i: int) -> Any:
@@ -908,7 +913,7 @@ def run_generate_cli(args: argparse.Namespace) -> int:
             receipts = asyncio.run(run_generate(model=str(model), prompts=prompts, cfg=cfg, contents=contents,
                                                 target=args.target, max_tokens=args.max_tokens, run_id=run_id,
                                                 engine_kwargs=kwargs, writer=writer, done=done, stop=stop,
-                                                resume=resume))
+                                                resume=resume, freeze_heap=True))
     except _Interrupted as e:  # raised inside the event loop's own code during start-up; the run's
         stop["signal"] = e.signum  # cleanup (receipts, engine shutdown) already ran when asyncio.run cancelled it
         receipts = []

@@ -20,6 +20,7 @@ cluster) and stopped at the end; with it, the job connects to that cluster and l
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import time
@@ -60,12 +61,13 @@ class Replica:
 
     async def start(self) -> int:
         """Start the engine (tens of seconds on CPU); returns this actor's process id."""
-        from genartifact.engine.vllm_adapter import VllmEngine
+        from genartifact.engine.vllm_adapter import VllmEngine, freeze_startup_heap
         from genartifact.logging import configure_logging
 
         configure_logging(json_lines=True)
         self.settings, self.journal = self.cfg.target_settings(), self.cfg.journal()
         self.engine = await VllmEngine(self.cfg.host(), self.model, **self.engine_kwargs).start()
+        freeze_startup_heap()  # the actor's process is this replica's alone: no full-heap GC pauses while it runs
         return os.getpid()
 
     async def run(self, index: int, row: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,6 +79,11 @@ class Replica:
     def pid(self) -> int:
         """This actor's process id."""
         return os.getpid()
+
+    def heap_frozen(self) -> int:
+        """How many objects of this actor's process the garbage collector holds frozen (its start-up heap, frozen
+        by :meth:`start`; 0 before)."""
+        return gc.get_freeze_count()
 
     def shutdown(self) -> None:
         if self.engine is not None:

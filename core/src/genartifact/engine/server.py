@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from genartifact import config as config_mod
 from genartifact.engine.tiny_model import CHAT_TEMPLATE
-from genartifact.engine.vllm_adapter import RequestResult, VllmEngine
+from genartifact.engine.vllm_adapter import RequestResult, VllmEngine, freeze_startup_heap
 from genartifact.errors import GenartifactError, PluginFault, RequestSpecError
 from genartifact.limits import pipeline_concurrency, small_pipeline_concurrency
 
@@ -378,6 +378,7 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = await engine_factory()
         state["s"] = Server(engine, cfg, model_name, drain_s)
+        log.info("serve_heap_frozen", objects=freeze_startup_heap())  # no full-heap GC pauses while serving
         log.info("serve_ready", model=model_name)
         try:
             yield

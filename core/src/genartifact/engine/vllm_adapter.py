@@ -11,6 +11,7 @@ its engine-core and worker processes).
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import importlib.metadata as md
 import json
@@ -520,6 +521,24 @@ def engine_input(llm: Any, prompt_token_ids: Sequence[int]) -> Any:
     renderer = getattr(getattr(llm, "input_processor", None), "renderer", None)
     render = getattr(renderer, "render_cmpl", None)
     return prompt if render is None else render([prompt])[0]
+
+
+def freeze_startup_heap() -> int:
+    """Move every object the garbage collector tracks now into its permanent generation (``gc.freeze``), after a
+    full collection, so that later collections never traverse the start-up heap; returns how many objects were
+    frozen. Call it once, in a process genartifact owns (``genartifact serve``, ``genartifact generate``), after
+    the engine started.
+
+    Why: the driver process of a vLLM engine holds millions of tracked objects after start-up (torch, vLLM,
+    transformers, the tokenizer). Python's oldest-generation collection walks all of them: 0.56 s with the tiny
+    model (``docs/benchmarks.md``, issue 13, nineteenth pass), during which the event loop, every request's
+    output handling and every delivery stand still. The same convention as vLLM's own server, engine core and
+    workers (``vllm/utils/gc_utils.py: freeze_gc_heap``, called once start-up is done). Not called by
+    :meth:`VllmEngine.start` or :meth:`VllmEngine.attach`: in a process someone else owns (an RL framework's
+    trainer) its heap is that owner's to manage."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def kill_engine_processes() -> int:
