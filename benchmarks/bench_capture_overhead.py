@@ -23,6 +23,10 @@ Sustained load: each round runs --requests requests with at most --inflight in f
   with --final-only), the prompt in the same rendered form (``vllm_adapter.engine_input``) and the same prompts
   and concurrency.
 
+This process's start-up heap is frozen after the warm-up (``freeze_startup_heap``, as ``genartifact generate`` and
+``serve`` do once their engine started; ``--no-freeze`` leaves it, as a library user's process that does not freeze
+it), and its full GC collections during the rounds are counted per side.
+
 Rounds alternate the sides in a rotating order (on, same, plain / same, plain, on / ...). Every side is reported
 with the same statistics (median of rounds, best round) and each ratio also per round (paired: the two sides
 ran back to back in that round). Both engines are idle while the other one runs (vLLM's engine core blocks on
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -166,7 +172,13 @@ async def plain_round(llm, ids_list, max_tokens, params_of) -> float:
 
 
 async def main_async(args) -> None:
-    from genartifact.engine.vllm_adapter import QUALNAME, VllmEngine, cpu_mla_fallback, engine_options
+    from genartifact.engine.vllm_adapter import (
+        QUALNAME,
+        VllmEngine,
+        cpu_mla_fallback,
+        engine_options,
+        freeze_startup_heap,
+    )
     from genartifact.host import PluginHost
 
     host = PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
@@ -226,12 +238,16 @@ async def main_async(args) -> None:
         for side in sides:  # warm-up
             await run_side(side, 8)
         peaks.clear()
+        if not args.no_freeze:  # as `genartifact generate` / `serve` do once their engine started
+            freeze_startup_heap()
         tps: dict[str, list[float]] = {s: [] for s in sides}
         cpu: dict[str, list[float]] = {s: [] for s in sides}  # this process's CPU seconds per request, per round
         for r in range(args.rounds):
             for side in rotation(sides, r):
                 c0 = time.process_time()
+                full_gc.side = side
                 tps[side].append(await run_side(side, args.max_tokens))
+                full_gc.side = None
                 cpu[side].append((time.process_time() - c0) / args.requests)
     finally:
         eng.shutdown()
@@ -262,7 +278,33 @@ async def main_async(args) -> None:
     print("  driver (this process) CPU per request, median of rounds: " + ", ".join(
         f"{side} {statistics.median(cpu[side]) * 1e6:.0f} us" for side in sides)
         + f"; capture on adds {(statistics.median(cpu['on']) - statistics.median(cpu['off (same engine)'])) * 1e6:.0f} us")
+    print(f"  full (oldest-generation) GC collections of this process during the rounds, heap "
+          f"{'not frozen' if args.no_freeze else 'frozen after start-up'}: " + ", ".join(
+              f"{side} {len(full_gc.pauses[side])} ({sum(full_gc.pauses[side]) * 1e3:.0f} ms)" for side in sides))
     print(f"  peak retained / admitted bytes: max {max(peaks):.3f} over {len(peaks)} requests (target <= 1)")
+
+
+class FullGcPauses:
+    """This process's oldest-generation (full) garbage collections, their seconds listed by the side whose round was
+    running (``side``; None between rounds: not counted). A full collection stops the event loop and every thread
+    for as long as it walks the tracked heap."""
+
+    def __init__(self) -> None:
+        self.side: str | None = None
+        self.pauses: dict[str, list[float]] = defaultdict(list)
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.side is not None:
+            self.pauses[self.side].append(time.perf_counter() - self._t0)
+
+
+full_gc = FullGcPauses()
 
 
 def main() -> None:
@@ -291,6 +333,9 @@ def main() -> None:
                          "back), the behaviour before deferral (step_end RPC between rounds)")
     ap.add_argument("--rpc-fetch", action="store_true",
                     help="fetch worker rows by collective_rpc instead of the out-of-band handover")
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave this process's start-up heap unfrozen (a library user's process that does not freeze "
+                         "it; by default it is frozen after the warm-up, as `genartifact generate` does)")
     add_smoke(ap)
     args = ap.parse_args()
     product_logging()

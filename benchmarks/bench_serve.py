@@ -34,16 +34,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
 
 
-def finalize_totals(base: str) -> tuple[float, float]:
-    """The server's ``genartifact_finalize_seconds`` histogram (last token of an artifact request -> its receipt):
-    ``(sum of seconds, count)`` as scraped from ``/metrics`` now."""
-    total = count = 0.0
+def finalize_totals(base: str) -> tuple[float, float, float]:
+    """From the server's ``/metrics`` now: its ``genartifact_finalize_seconds`` histogram (last token of an artifact
+    request -> its receipt) as ``(sum of seconds, count)``, and how many full (generation 2) garbage collections
+    its process has run."""
+    total = count = full_gc = 0.0
     for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
         if line.startswith("genartifact_finalize_seconds_sum "):
             total = float(line.split()[1])
         elif line.startswith("genartifact_finalize_seconds_count "):
             count = float(line.split()[1])
-    return total, count
+        elif line.startswith('python_gc_collections_total{generation="2"} '):
+            full_gc = float(line.split()[1])
+    return total, count, full_gc
 
 
 async def round_(base: str, n: int, conc: int, max_tokens: int, artifacts: bool) -> tuple[float, float, float]:
@@ -113,6 +116,7 @@ def main() -> None:
         # CPU seconds per request, a load-robust measure of the per-request work artifacts add there
         p = psutil.Process(proc.pid)
         cpu: dict[str, list[float]] = {k: [] for k in sides}
+        full_gc = dict.fromkeys(sides, 0)  # the server's full garbage collections during each side's rounds
         for r in range(args.rounds):
             for side in rotation(list(sides), r):
                 f0 = finalize_totals(base)
@@ -122,6 +126,7 @@ def main() -> None:
                 cpu[side].append((sum(p.cpu_times()[:2]) - c0) / args.requests)
                 f1 = finalize_totals(base)
                 fin_s, fin_n = fin_s + f1[0] - f0[0], fin_n + f1[1] - f0[1]
+                full_gc[side] += int(f1[2] - f0[2])
         rss = sum(x.memory_info().rss for x in [p, *p.children(recursive=True)])
     finally:
         proc.terminate()
@@ -151,6 +156,8 @@ def main() -> None:
     print(f"  mean request latency, median of rounds: with {lw:.1f} ms, without {lwo:.1f} ms: artifacts add "
           f"{lw - lwo:.1f} ms, of which finalize (last token -> receipt, mean of {fin_n:.0f}) {fin:.1f} ms and "
           f"{lw - lwo - fin:.1f} ms elsewhere (the engine, HTTP)")
+    print("  server full (oldest-generation) GC collections during the rounds: " +
+          ", ".join(f"{k} {v}" for k, v in full_gc.items()) + " (its start-up heap is frozen: each is short)")
     print(f"  server RSS (all processes) after the run: {rss / 1e6:.0f} MB")
 
 

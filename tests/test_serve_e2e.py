@@ -58,7 +58,11 @@ path = "{root}/journal.jsonl"
     else:
         proc.kill()
         raise RuntimeError(proc.stdout.read().decode()[-3000:])
-    yield {"base": base, "root": root, "proc": proc}
+    # /metrics: the frozen start-up heap, and the process's collections by generation (standard python_gc_* names)
+    text = httpx.get(f"{base}/metrics").text
+    frozen = float(re.search(r"^genartifact_gc_frozen_objects (\S+)$", text, re.M).group(1))
+    assert re.search(r'^python_gc_collections_total\{generation="2"\} ', text, re.M)
+    yield {"base": base, "root": root, "proc": proc, "frozen": int(frozen)}
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -357,4 +361,4 @@ def test_sigterm_drains_and_exits(server):
     assert "serve_shutdown" in out and "abandoned_deliveries=0" in out
     # the start-up heap was frozen once the engine started (no 0.3-0.6 s full-heap GC pauses while serving)
     frozen = re.search(r"serve_heap_frozen\s+objects=(\d+)", out)
-    assert frozen and int(frozen.group(1)) > 100_000, out[-3000:]
+    assert frozen and int(frozen.group(1)) == server["frozen"] > 100_000, out[-3000:]
