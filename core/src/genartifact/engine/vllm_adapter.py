@@ -530,9 +530,9 @@ def freeze_startup_heap() -> int:
     the engine started.
 
     Why: the driver process of a vLLM engine holds millions of tracked objects after start-up (torch, vLLM,
-    transformers, the tokenizer). Python's oldest-generation collection walks all of them: 0.56 s with the tiny
-    model (``docs/benchmarks.md``, issue 13, nineteenth pass), during which the event loop, every request's
-    output handling and every delivery stand still. The same convention as vLLM's own server, engine core and
+    transformers, the tokenizer). Python's oldest-generation collection walks all of them: 0.3-0.56 s with the
+    tiny model, once in a few thousand requests (``docs/benchmarks.md``, issue 13, nineteenth pass), during which
+    the event loop, every request's output handling and every delivery stand still. The same convention as vLLM's own server, engine core and
     workers (``vllm/utils/gc_utils.py: freeze_gc_heap``, called once start-up is done). Not called by
     :meth:`VllmEngine.start` or :meth:`VllmEngine.attach`: in a process someone else owns (an RL framework's
     trainer) its heap is that owner's to manage."""
