@@ -128,6 +128,8 @@ def main() -> None:
                 fin_s, fin_n = fin_s + f1[0] - f0[0], fin_n + f1[1] - f0[1]
                 full_gc[side] += int(f1[2] - f0[2])
         rss = sum(x.memory_info().rss for x in [p, *p.children(recursive=True)])
+        frozen = next((float(line.split()[1]) for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines()
+                       if line.startswith("genartifact_gc_frozen_objects ")), float("nan"))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -157,7 +159,7 @@ def main() -> None:
           f"{lw - lwo:.1f} ms, of which finalize (last token -> receipt, mean of {fin_n:.0f}) {fin:.1f} ms and "
           f"{lw - lwo - fin:.1f} ms elsewhere (the engine, HTTP)")
     print("  server full (oldest-generation) GC collections during the rounds: " +
-          ", ".join(f"{k} {v}" for k, v in full_gc.items()) + " (its start-up heap is frozen: each is short)")
+          ", ".join(f"{k} {v}" for k, v in full_gc.items()) + f"; {frozen:.0f} start-up objects frozen out of them")
     print(f"  server RSS (all processes) after the run: {rss / 1e6:.0f} MB")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import hashlib
 import json
 import math
@@ -701,7 +702,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
     recognised by read-back, even without a journal or any receipt). ``stop``: filled with ``{"signal":
     signum}`` when SIGINT/SIGTERM stopped the run. ``freeze_heap``: this process is the run's own (the CLI):
     freeze its start-up heap once the engine started (:func:`~genartifact.engine.vllm_adapter.freeze_startup_heap`:
-    no full-heap GC pauses during the run)."""
+    no full-heap GC pauses during the run), and unfreeze it after the engine's shutdown."""
     from tqdm import tqdm
 
     done = done or {}
@@ -793,6 +794,7 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
     for s in EXIT_SIGNAL:  # engine start blocks the event loop: a plain handler interrupts it promptly
         signal.signal(s, startup_signal)
     engine = VllmEngine(host, model, **engine_kwargs)
+    frozen = 0  # objects freeze_startup_heap froze (freeze_heap)
     try:
         try:
             await engine.start()
@@ -802,7 +804,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         if "signal" in stop:
             raise _Interrupted(stop["signal"])
         if freeze_heap:
-            log.info("generate_heap_frozen", objects=freeze_startup_heap())
+            frozen = freeze_startup_heap()
+            log.info("generate_heap_frozen", objects=frozen)
         bar = tqdm(total=len(specs), desc="generate", unit="req", disable=not progress)
 
         async def one(i: int) -> Any:
@@ -843,6 +846,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         for s in EXIT_SIGNAL:
             loop.remove_signal_handler(s)
         engine.shutdown()
+        if frozen:  # as vLLM's EngineCore.shutdown: the process may go on (what start-up made is collectable again)
+            gc.unfreeze()
         for i in specs:
             for key in ([(i, k) for k in todo[i]] if i in todo else [i]):
                 if key not in receipts:

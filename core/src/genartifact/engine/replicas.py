@@ -58,6 +58,7 @@ class Replica:
     def __init__(self, model: str, cfg: config_mod.Config, engine_kwargs: Mapping[str, Any], max_tokens: int) -> None:
         self.model, self.cfg, self.engine_kwargs, self.max_tokens = model, cfg, dict(engine_kwargs), max_tokens
         self.engine: Any = None
+        self.frozen = 0  # objects frozen by start (freeze_startup_heap)
 
     async def start(self) -> int:
         """Start the engine (tens of seconds on CPU); returns this actor's process id."""
@@ -67,7 +68,7 @@ class Replica:
         configure_logging(json_lines=True)
         self.settings, self.journal = self.cfg.target_settings(), self.cfg.journal()
         self.engine = await VllmEngine(self.cfg.host(), self.model, **self.engine_kwargs).start()
-        freeze_startup_heap()  # the actor's process is this replica's alone: no full-heap GC pauses while it runs
+        self.frozen = freeze_startup_heap()  # the actor's process is this replica's alone: no full-heap GC pauses
         return os.getpid()
 
     async def run(self, index: int, row: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -81,14 +82,16 @@ class Replica:
         return os.getpid()
 
     def heap_frozen(self) -> int:
-        """How many objects of this actor's process the garbage collector holds frozen (its start-up heap, frozen
-        by :meth:`start`; 0 before)."""
-        return gc.get_freeze_count()
+        """How many objects :meth:`start` froze out of garbage collection (this actor's start-up heap; 0 before)."""
+        return self.frozen
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.frozen:  # as vLLM's EngineCore.shutdown: what start-up made is collectable again
+            gc.unfreeze()
+            self.frozen = 0
 
 
 def actor_name(run_id: str, index: int) -> str:

@@ -79,11 +79,12 @@ class Metrics:
                                 registry=r)
         self.inflight = Gauge("genartifact_inflight_requests", "Requests being served", registry=r)
         # the process's garbage collections (prometheus_client's standard python_gc_* counters, by generation) and
-        # how many start-up objects are frozen out of them (freeze_startup_heap: a full collection of an unfrozen
-        # driver heap stalls every request for 0.3-0.6 s)
+        # how many start-up objects were frozen out of them (freeze_startup_heap: a full collection of an unfrozen
+        # driver heap stalls every request for 0.3-0.6 s). Set once: gc.get_freeze_count() walks the frozen
+        # objects (~60 ms at 680k), far too slow for a scrape on the event loop
         GCCollector(registry=r)
-        Gauge("genartifact_gc_frozen_objects", "Objects frozen out of garbage collection (the start-up heap)",
-              registry=r).set_function(gc.get_freeze_count)
+        self.frozen = Gauge("genartifact_gc_frozen_objects", "Objects frozen out of garbage collection when the "
+                            "engine had started (0: not frozen)", registry=r)
 
 
 def _error(status: int, message: str, param: str | None = None, code: str = "invalid_request") -> JSONResponse:
@@ -377,23 +378,33 @@ class Server:
         return self.capacity - self._free_slots()
 
 
-def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, drain_s: float = 30.0) -> FastAPI:
-    """The ASGI app. ``engine_factory()`` returns a started :class:`VllmEngine` (awaitable)."""
+def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, drain_s: float = 30.0,
+               freeze_heap: bool = False) -> FastAPI:
+    """The ASGI app. ``engine_factory()`` returns a started :class:`VllmEngine` (awaitable). ``freeze_heap``: this
+    process is the server's own (``genartifact serve``): once the engine started, freeze its start-up heap
+    (:func:`~genartifact.engine.vllm_adapter.freeze_startup_heap`: no full-heap GC pauses while serving; the
+    count is in ``genartifact_gc_frozen_objects``), and unfreeze it after the engine's shutdown."""
     state: dict[str, Server] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = await engine_factory()
-        state["s"] = Server(engine, cfg, model_name, drain_s)
-        log.info("serve_heap_frozen", objects=freeze_startup_heap())  # no full-heap GC pauses while serving
+        srv = state["s"] = Server(engine, cfg, model_name, drain_s)
+        frozen = 0
+        if freeze_heap:
+            frozen = freeze_startup_heap()
+            log.info("serve_heap_frozen", objects=frozen)
+        srv.metrics.frozen.set(frozen)
         log.info("serve_ready", model=model_name)
         try:
             yield
         finally:
-            abandoned = await state["s"].drain()
+            abandoned = await srv.drain()
             log.info("serve_shutdown", abandoned_deliveries=abandoned,
                      journal=str(cfg.journal_path) if cfg.journal_path else None)
             engine.shutdown()
+            if frozen:  # as vLLM's EngineCore.shutdown: what start-up made is collectable again
+                gc.unfreeze()
 
     app = FastAPI(title="genartifact", lifespan=lifespan)
 
@@ -781,7 +792,7 @@ def run_serve_cli(args: Any) -> int:
             for sig, h in old.items():
                 signal.signal(sig, h)
 
-    app = create_app(factory, cfg, names[0], drain_s=args.drain_s)
+    app = create_app(factory, cfg, names[0], drain_s=args.drain_s, freeze_heap=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                     timeout_graceful_shutdown=int(args.drain_s))
