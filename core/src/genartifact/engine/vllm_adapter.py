@@ -526,14 +526,15 @@ def engine_input(llm: Any, prompt_token_ids: Sequence[int]) -> Any:
 def freeze_startup_heap() -> int:
     """Move every object the garbage collector tracks now into its permanent generation (``gc.freeze``), after a
     full collection, so that later collections never traverse the start-up heap; returns how many objects were
-    frozen. Call it once, in a process genartifact owns (``genartifact serve``, ``genartifact generate``), after
-    the engine started.
+    frozen. Call it once, in a process genartifact owns (``genartifact serve``, ``genartifact generate``, a
+    ``--replicas`` actor), after the engine started.
 
-    Why: the driver process of a vLLM engine holds about 680,000 tracked objects after start-up with the tiny model
-    (torch, vLLM, transformers, the tokenizer; more with a real checkpoint's). Python's oldest-generation collection walks all of them: 0.3-0.56 s with the
-    tiny model, once in a few thousand requests (``docs/benchmarks.md``, issue 13, nineteenth pass), during which
-    the event loop, every request's output handling and every delivery stand still. The same convention as vLLM's own server, engine core and
-    workers (``vllm/utils/gc_utils.py: freeze_gc_heap``, called once start-up is done). Not called by
+    Why: the driver process of a vLLM engine holds about 680,000 tracked objects after start-up with the tiny
+    model (torch, vLLM, transformers, the tokenizer; more with a real checkpoint's). Python's oldest-generation
+    collection walks all of them: 0.3-0.56 s with the tiny model, once in a few thousand requests
+    (``docs/benchmarks.md``, issue 13, nineteenth pass), during which the event loop, every request's output
+    handling and every delivery stand still. The same convention as vLLM's own server, engine core and GPU worker
+    (``vllm/utils/gc_utils.py: freeze_gc_heap``, called once start-up is done). Not called by
     :meth:`VllmEngine.start` or :meth:`VllmEngine.attach`: in a process someone else owns (an RL framework's
     trainer) its heap is that owner's to manage. A process that goes on after the engine's shutdown should call
     ``gc.unfreeze()`` then (as vLLM's ``EngineCore.shutdown`` does): a frozen object is never collected, nor a
