@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ CHILD = r"""
 import os, sys
 from genartifact.testing.s3server import SeaweedS3
 s = SeaweedS3("lifetime").start()
-print(s.proc.pid, flush=True)
+print(s.proc.pid, s.dir, flush=True)
 sys.stdin.read()  # wait to be killed
 """
 
@@ -29,9 +30,11 @@ def test_server_dies_with_a_sigkilled_parent():
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"weed binary not installed: {e}")
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    data_dir = ""
     try:
-        line = child.stdout.readline()
-        weed_pid = int(line)
+        pid, data_dir = child.stdout.readline().decode().split(maxsplit=1)
+        weed_pid, data_dir = int(pid), data_dir.strip()
+        assert "ga-seaweed-" in data_dir
         os.kill(weed_pid, 0)  # running
         child.kill()
         child.wait(timeout=30)
@@ -55,3 +58,5 @@ def test_server_dies_with_a_sigkilled_parent():
     finally:
         if child.poll() is None:
             child.kill()
+        if data_dir:  # a SIGKILLed parent never ran its clean-up: its data directory is this test's to remove
+            shutil.rmtree(data_dir, ignore_errors=True)
