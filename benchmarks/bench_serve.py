@@ -33,20 +33,21 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
 
+#: the server's /metrics samples this script reads: the ``genartifact_finalize_seconds`` histogram (last token of
+#: an artifact request -> its receipt), its process's full (generation 2) garbage collections, its frozen start-up heap
+FINALIZE_S, FINALIZE_N = "genartifact_finalize_seconds_sum", "genartifact_finalize_seconds_count"
+FULL_GC, FROZEN = 'python_gc_collections_total{generation="2"}', "genartifact_gc_frozen_objects"
 
-def finalize_totals(base: str) -> tuple[float, float, float]:
-    """From the server's ``/metrics`` now: its ``genartifact_finalize_seconds`` histogram (last token of an artifact
-    request -> its receipt) as ``(sum of seconds, count)``, and how many full (generation 2) garbage collections
-    its process has run."""
-    total = count = full_gc = 0.0
+
+def server_metrics(base: str) -> dict[str, float]:
+    """The samples above as scraped from the server's ``/metrics`` now (one missing: absent)."""
+    wanted = {FINALIZE_S, FINALIZE_N, FULL_GC, FROZEN}
+    out = {}
     for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        if line.startswith("genartifact_finalize_seconds_sum "):
-            total = float(line.split()[1])
-        elif line.startswith("genartifact_finalize_seconds_count "):
-            count = float(line.split()[1])
-        elif line.startswith('python_gc_collections_total{generation="2"} '):
-            full_gc = float(line.split()[1])
-    return total, count, full_gc
+        name, _, value = line.rpartition(" ")
+        if name in wanted:
+            out[name] = float(value)
+    return out
 
 
 async def round_(base: str, n: int, conc: int, max_tokens: int, artifacts: bool) -> tuple[float, float, float]:
@@ -119,17 +120,17 @@ def main() -> None:
         full_gc = dict.fromkeys(sides, 0)  # the server's full garbage collections during each side's rounds
         for r in range(args.rounds):
             for side in rotation(list(sides), r):
-                f0 = finalize_totals(base)
+                m0 = server_metrics(base)
                 c0 = sum(p.cpu_times()[:2])
                 res[side].append(asyncio.run(round_(base, args.requests, args.concurrency, args.max_tokens,
                                                     sides[side])))
                 cpu[side].append((sum(p.cpu_times()[:2]) - c0) / args.requests)
-                f1 = finalize_totals(base)
-                fin_s, fin_n = fin_s + f1[0] - f0[0], fin_n + f1[1] - f0[1]
-                full_gc[side] += int(f1[2] - f0[2])
+                m1 = server_metrics(base)
+                fin_s += m1.get(FINALIZE_S, 0.0) - m0.get(FINALIZE_S, 0.0)
+                fin_n += m1.get(FINALIZE_N, 0.0) - m0.get(FINALIZE_N, 0.0)
+                full_gc[side] += int(m1.get(FULL_GC, 0.0) - m0.get(FULL_GC, 0.0))
         rss = sum(x.memory_info().rss for x in [p, *p.children(recursive=True)])
-        frozen = next((float(line.split()[1]) for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines()
-                       if line.startswith("genartifact_gc_frozen_objects ")), float("nan"))
+        frozen = server_metrics(base).get(FROZEN, float("nan"))
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -59,9 +59,8 @@ path = "{root}/journal.jsonl"
         proc.kill()
         raise RuntimeError(proc.stdout.read().decode()[-3000:])
     # /metrics: the frozen start-up heap, and the process's collections by generation (standard python_gc_* names)
-    text = httpx.get(f"{base}/metrics").text
-    frozen = float(re.search(r"^genartifact_gc_frozen_objects (\S+)$", text, re.M).group(1))
-    assert re.search(r'^python_gc_collections_total\{generation="2"\} ', text, re.M)
+    frozen = metrics({"base": base})["genartifact_gc_frozen_objects"]
+    assert re.search(r'^python_gc_collections_total\{generation="2"\} ', httpx.get(f"{base}/metrics").text, re.M)
     yield {"base": base, "root": root, "proc": proc, "frozen": int(frozen)}
     if proc.poll() is None:
         proc.kill()
