@@ -6,41 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import types
 
 import pytest
 from genartifact import config as config_mod
 from genartifact.engine import vllm_adapter
 from genartifact.engine.job import ReceiptsWriter, run_generate
-
-
-class EngineDeadError(Exception):
-    """Stands in for vllm.v1.engine.exceptions.EngineDeadError (raised by AsyncLLM.generate once the engine
-    core died)."""
-
-
-class DeadEngine:
-    """An engine whose every request fails as vLLM's do after its worker process was killed (-9)."""
-
-    def __init__(self, host, model, **kw):
-        self.llm = object()
-        self.model_info = types.SimpleNamespace(engine_options={})
-        self.tokenizer = lambda text: {"input_ids": [1, 2, 3]}
-        self.shut = False
-
-    async def start(self):
-        return self
-
-    def prepare(self, *a, **kw):
-        return types.SimpleNamespace(session=types.SimpleNamespace(release=lambda: None))
-
-    async def execute(self, prep, stream=True):
-        await asyncio.sleep(0)
-        raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
-        yield  # an async generator, as VllmEngine.execute
-
-    def shutdown(self):
-        self.shut = True
+from stand_in_engine import DeadEngine
 
 
 @pytest.mark.fault("generate", "engine died under the requests")

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
-import types
 
 import pytest
 from genartifact import config as config_mod
 from genartifact.engine import server, vllm_adapter
 from genartifact.engine.job import run_generate
 from genartifact.engine.server import create_app
+from stand_in_engine import DeadEngine
 from starlette.testclient import TestClient
 
 
@@ -30,14 +30,13 @@ def thawed():
     gc.unfreeze()  # never leave this test process frozen
 
 
-class StubEngine:
-    """What the server and the generate job touch of a started engine; its one request fails at once."""
+class StubEngine(DeadEngine):
+    """A started engine (its one request fails at once) that notes whether the heap was frozen at its shutdown, or
+    one whose start fails."""
 
     def __init__(self, host, fail_start=False):
-        self.host, self.fail_start = host, fail_start
-        self.llm = types.SimpleNamespace(errored=False)
-        self.tokenizer = lambda text: {"input_ids": [1, 2, 3]}
-        self.model_info = types.SimpleNamespace(engine_options={})
+        super().__init__(host)
+        self.fail_start = fail_start
         self.frozen_at_shutdown = None
 
     async def start(self):
@@ -45,15 +44,8 @@ class StubEngine:
             raise RuntimeError("engine start failed")
         return self
 
-    def prepare(self, *a, **kw):
-        return types.SimpleNamespace(session=types.SimpleNamespace(release=lambda: None))
-
-    async def execute(self, prep, stream=True):
-        await asyncio.sleep(0)
-        raise RuntimeError("no engine here")
-        yield  # an async generator, as VllmEngine.execute
-
     def shutdown(self):
+        super().shutdown()
         self.frozen_at_shutdown = gc.get_freeze_count()
 
 
