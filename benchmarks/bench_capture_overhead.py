@@ -48,7 +48,15 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line  # noqa: E402
+from common import (  # noqa: E402
+    add_smoke,
+    load_line,
+    product_logging,
+    ratio_line,
+    rotation,
+    side_line,
+    store_probe,
+)
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -196,6 +204,7 @@ async def main_async(args) -> None:
     if args.rpc_fetch:  # the path before out-of-band handover, for before/after comparisons
         await eng.set_handover(False)
     llm = None
+    probes: list[str] = []  # the store's filesystem before and after the rounds
     try:
         ids_list = [eng.tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.requests)]
         sides = ["on", "off (same engine)", "worker capture only"]
@@ -240,6 +249,9 @@ async def main_async(args) -> None:
         peaks.clear()
         if not args.no_freeze:  # as `genartifact generate` / `serve` do once their engine started
             freeze_startup_heap()
+        # the store's filesystem before and after the rounds (a file:// delivery's cost; none for another target)
+        if not args.target_url:
+            probes.append(store_probe(root))
         tps: dict[str, list[float]] = {s: [] for s in sides}
         cpu: dict[str, list[float]] = {s: [] for s in sides}  # this process's CPU seconds per request, per round
         for r in range(args.rounds):
@@ -249,6 +261,8 @@ async def main_async(args) -> None:
                 tps[side].append(await run_side(side, args.max_tokens))
                 full_gc.side = None
                 cpu[side].append((time.process_time() - c0) / args.requests)
+        if probes:
+            probes.append(store_probe(root))
     finally:
         eng.shutdown()
         if llm is not None:
@@ -282,6 +296,8 @@ async def main_async(args) -> None:
           f"{'not frozen' if args.no_freeze else 'frozen after start-up'}: " + ", ".join(
               f"{side} {len(full_gc.pauses[side])} ({sum(full_gc.pauses[side]) * 1e3:.0f} ms)" for side in sides))
     print(f"  peak retained / admitted bytes: max {max(peaks):.3f} over {len(peaks)} requests (target <= 1)")
+    if probes:
+        print(f"  before the rounds, {probes[0]}\n  after the rounds, {probes[1]}")
 
 
 class FullGcPauses:

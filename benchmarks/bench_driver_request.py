@@ -41,7 +41,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line  # noqa: E402
+from common import (  # noqa: E402
+    add_smoke,
+    load_line,
+    product_logging,
+    ratio_line,
+    rotation,
+    side_line,
+    store_probe,
+)
 
 PROMPT = list(range(1, 13))  # 12 prompt tokens, as the engine benchmark's prompts
 
@@ -202,6 +210,7 @@ async def main_async(args) -> None:
         sides = ["artifact path", "bare"]
         cpu: dict[str, list[float]] = {s: [] for s in sides}
         main_cpu: list[float] = []
+        probes = [store_probe(root)]  # the store's filesystem before and after the rounds
         k = 0
         for r in range(args.rounds):
             for side in rotation(sides, r):
@@ -216,6 +225,7 @@ async def main_async(args) -> None:
                 cpu[side].append((time.process_time() - c0) / n * 1e6)
                 if side == "artifact path":
                     main_cpu.append((time.thread_time() - t0) / n * 1e6)
+        probes.append(store_probe(root))
     finally:
         drv.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -232,6 +242,7 @@ async def main_async(args) -> None:
     at = [statistics.median(w[k] for w in waves) * 1e3 for k in ranks]
     print(f"  receipts within a wave of {args.wave} (median over {len(waves)} waves): first {at[0]:.2f} ms, "
           f"middle {at[1]:.2f} ms, last {at[2]:.2f} ms after the completions were recorded")
+    print(f"  before the rounds, {probes[0]}\n  after the rounds, {probes[1]}")
     print(ratio_line("driver CPU per request, artifact path / bare zstd-1 + SHA-256 + durable write of the same "
                      "bytes", cpu["artifact path"], cpu["bare"]))
 

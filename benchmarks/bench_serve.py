@@ -31,7 +31,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_smoke, load_line, ratio_line, rotation, side_line  # noqa: E402
+from common import add_smoke, load_line, ratio_line, rotation, side_line, store_probe  # noqa: E402
 
 #: the server's /metrics samples this script reads: the ``genartifact_finalize_seconds`` histogram (last token of
 #: an artifact request -> its receipt), its process's full (generation 2) garbage collections, its frozen start-up heap
@@ -111,6 +111,7 @@ def main() -> None:
         sides = {"with artifacts": True, "without artifacts": False}
         for flag in sides.values():  # warm-up
             asyncio.run(round_(base, min(16, args.requests), args.concurrency, 8, flag))
+        probes = [store_probe(root)]  # the store's filesystem before and after the rounds (its file:// cost)
         res: dict[str, list[tuple[float, float, float]]] = {k: [] for k in sides}
         fin_s = fin_n = 0.0  # the server's finalize histogram over the measured rounds
         # the server's own process (HTTP, driver, delivery; not its engine core and workers, which busy-poll):
@@ -129,6 +130,7 @@ def main() -> None:
                 fin_s += m1.get(FINALIZE_S, 0.0) - m0.get(FINALIZE_S, 0.0)
                 fin_n += m1.get(FINALIZE_N, 0.0) - m0.get(FINALIZE_N, 0.0)
                 full_gc[side] += int(m1.get(FULL_GC, 0.0) - m0.get(FULL_GC, 0.0))
+        probes.append(store_probe(root))
         rss = sum(x.memory_info().rss for x in [p, *p.children(recursive=True)])
         frozen = server_metrics(base).get(FROZEN, float("nan"))
     finally:
@@ -162,6 +164,7 @@ def main() -> None:
     print("  server full (oldest-generation) GC collections during the rounds: " +
           ", ".join(f"{k} {v}" for k, v in full_gc.items()) + f"; {frozen:.0f} start-up objects frozen out of them")
     print(f"  server RSS (all processes) after the run: {rss / 1e6:.0f} MB")
+    print(f"  before the rounds, {probes[0]}\n  after the rounds, {probes[1]}")
 
 
 if __name__ == "__main__":

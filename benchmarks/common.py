@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -119,6 +122,52 @@ def load_line() -> str:
 
     a, b, c = os.getloadavg()
     return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"
+
+
+def store_probe(folder: str | os.PathLike[str], files: int = 16, size: int = 3072) -> str:
+    """What a small durable create costs on ``folder``'s filesystem now, to record next to a ``file://``
+    measurement: ``files`` files of ``size`` bytes written create-only (``O_CREAT | O_EXCL``), each fsynced, then the
+    folder fsynced once, in a new subfolder ``.store-probe-<n>`` of ``folder`` that is left in place (its caller
+    removes ``folder``; deleting the files here would leave the "recently deleted" inodes that make ext4's next
+    allocations in that group slower, docs/benchmarks.md, twentieth pass). Returns ``store probe: create ...`` with
+    the median CPU (user + kernel, ``time.thread_time``) and wall time per file in µs, create and fsync apart.
+
+    Why: on the project's VMs the same code's ``file://`` figures moved several-fold between runs with the
+    filesystem's state (an fsync 0.2 against 2 ms; an inode's creation 18 µs in a fresh folder against 130-790 µs
+    after many creates and deletes nearby), and every durable delivery pays both. Raises OSError if ``folder``
+    cannot be written."""
+    d = Path(folder)
+    k = 0
+    while (d / f".store-probe-{k}").exists():
+        k += 1
+    d = d / f".store-probe-{k}"
+    d.mkdir(parents=True)
+    data = b"\0" * size
+    create_cpu, create_wall, sync_cpu, sync_wall = [], [], [], []
+    for i in range(files):
+        c, t = time.thread_time(), time.perf_counter()
+        fd = os.open(d / f"{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            c1, t1 = time.thread_time(), time.perf_counter()
+            os.write(fd, data)
+            os.fsync(fd)
+            sync_cpu.append(time.thread_time() - c1)
+            sync_wall.append(time.perf_counter() - t1)
+        finally:
+            os.close(fd)
+        create_cpu.append(c1 - c)
+        create_wall.append(t1 - t)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+    def us(xs: list[float]) -> str:
+        return f"{statistics.median(xs) * 1e6:.0f}"
+
+    return (f"store probe ({files} files of {size} B in {folder}): create {us(create_cpu)} us CPU / "
+            f"{us(create_wall)} us wall, write + fsync {us(sync_cpu)} us CPU / {us(sync_wall)} us wall (medians)")
 
 
 def product_logging() -> None:
