@@ -127,15 +127,15 @@ def load_line() -> str:
 def store_probe(folder: str | os.PathLike[str], files: int = 16, size: int = 3072) -> str:
     """What a small durable create costs on ``folder``'s filesystem now, to record next to a ``file://``
     measurement: ``files`` files of ``size`` bytes written create-only (``O_CREAT | O_EXCL``), each fsynced, then the
-    folder fsynced once, in a new subfolder ``.store-probe-<n>`` of ``folder`` that is left in place (its caller
-    removes ``folder``; deleting the files here would leave the "recently deleted" inodes that make ext4's next
-    allocations in that group slower, docs/benchmarks.md, twentieth pass). Returns ``store probe: create ...`` with
-    the median CPU (user + kernel, ``time.thread_time``) and wall time per file in µs, create and fsync apart.
+    folder fsynced once, in a new subfolder ``.store-probe-<n>`` of ``folder``, left in place for its caller to
+    remove with ``folder`` (the probe adds no deletes of its own to the filesystem it measures). Returns ``store
+    probe (...): create ... / ..., write + fsync ... / ...``: the median CPU (user + kernel, ``time.thread_time``)
+    and wall time per file in µs, the create (``open``) and the write + fsync apart.
 
     Why: on the project's VMs the same code's ``file://`` figures moved several-fold between runs with the
-    filesystem's state (an fsync 0.2 against 2 ms; an inode's creation 18 µs in a fresh folder against 130-790 µs
-    after many creates and deletes nearby), and every durable delivery pays both. Raises OSError if ``folder``
-    cannot be written."""
+    filesystem's state (an fsync's wall time 0.2 against 2 ms; a small file's creation 16-60 µs of CPU at most
+    times, 300-800 µs for minutes at others, docs/benchmarks.md, twentieth pass), and every durable delivery pays
+    both. Raises OSError if ``folder`` cannot be written."""
     d = Path(folder)
     k = 0
     while (d / f".store-probe-{k}").exists():

@@ -1,16 +1,17 @@
 """The benchmarks' same-run statistics (benchmarks/common.py): the paired-ratio interval and the verdict a goal
-is judged on (docs/benchmarks.md)."""
+is judged on (docs/benchmarks.md), and the store probe printed next to file:// figures."""
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import paired_interval, ratio_line, verdict  # noqa: E402
+from common import paired_interval, ratio_line, store_probe, verdict  # noqa: E402
 
 
 def test_interval_is_the_t_interval_of_the_log_ratios():
@@ -47,3 +48,21 @@ def test_ratio_line_prints_the_interval_and_judges_only_with_two_rounds_or_more(
     assert one.endswith("(target >= 0.95)")
     slower = ratio_line("t", [2.0, 2.0], [1.0, 1.0], ">= 0.95", higher_is_better=False)
     assert "geomean 0.500 [95% CI 0.500, 0.500]" in slower and slower.endswith("not met)")
+
+
+def test_store_probe_writes_durable_files_in_a_new_subfolder_each_time(tmp_path):
+    line = store_probe(tmp_path, files=4, size=100)
+    assert re.fullmatch(rf"store probe \(4 files of 100 B in {re.escape(str(tmp_path))}\): create \d+ us CPU / \d+ us "
+                        r"wall, write \+ fsync \d+ us CPU / \d+ us wall \(medians\)", line), line
+    store_probe(tmp_path, files=2, size=10)
+    # left in place for the caller (no deletes of its own), one new subfolder per call, every file whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".store-probe-0", ".store-probe-1"]
+    assert [p.stat().st_size for p in sorted((tmp_path / ".store-probe-0").iterdir())] == [100] * 4
+    assert [p.stat().st_size for p in sorted((tmp_path / ".store-probe-1").iterdir())] == [10] * 2
+
+
+def test_store_probe_raises_for_a_folder_it_cannot_write(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(OSError):
+        store_probe(blocker / "below")

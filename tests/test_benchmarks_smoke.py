@@ -24,13 +24,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
+#: what the scripts that measure file:// deliveries print after their ratios: the store's filesystem before and after
+STORE_PROBE = r"(?s:.*)^  before the rounds, store probe \(.*\): create \d+ us CPU(?s:.*)^  after the rounds, store probe "
 #: script -> (needs the tiny model / an engine, regex of the line it must print)
 CASES: dict[str, tuple[bool, str]] = {
-    "bench_capture_overhead.py": (True, r"^RATIO capture on / off \(plain engine\): median-of-rounds \d"),
+    "bench_capture_overhead.py": (True, r"^RATIO capture on / off \(plain engine\): median-of-rounds \d" + STORE_PROBE),
     "bench_compression.py": (False, r"^RATIO entropy bound / router-major zstd-1 bytes .*: \d"),
     "bench_decode.py": (False, r"^RATIO decode \(digest inline\) / raw SHA-256 \+ zstd .*median-of-rounds \d"),
     "bench_driver_request.py": (True, r"^  receipts within a wave of \d+ .*: first [\d.]+ ms, middle [\d.]+ ms, last "
-                                      r"[\d.]+ ms(?s:.*)^RATIO driver CPU per request, artifact path / bare "
+                                      r"[\d.]+ ms" + STORE_PROBE + r"(?s:.*)^RATIO driver CPU per request, artifact path / bare "
                                       r".*median-of-rounds \d"),
     "bench_encode.py": (False, r"^RATIO encode / raw zstd-1 \+ sha256 .*median-of-rounds \d"),
     "bench_fpm.py": (True, r"^RATIO FPM instrumented / stock scheduler .*median-of-rounds \d"),
@@ -47,7 +49,8 @@ CASES: dict[str, tuple[bool, str]] = {
     "bench_route_weights.py": (False, r"^RATIO stored bytes routes\+weights bf16 / routes only .*: \d"),
     # (and the latency split: the server's finalize histogram scraped from /metrics, some request counted)
     "bench_serve.py": (True, r"^RATIO serving with / without artifacts, tokens/s: median-of-rounds \d(?s:.*)"
-                             r"^  mean request latency.* finalize \(last token -> receipt, mean of [1-9]\d*\) \d"),
+                             r"^  mean request latency.* finalize \(last token -> receipt, mean of [1-9]\d*\) \d"
+                             + STORE_PROBE),
     "bench_upload.py": (False, r"^RATIO managed_fsspec s3 / bare boto3 put .*median-of-rounds \d"),
     "bench_worker_finish.py": (False, r"^RATIO worker's critical path at a long request's finish .*median-of-rounds \d"),
     "profile_capture.py": (True, r"^RATIO capture on / off CPU per generated token .*: \d"),
