@@ -25,7 +25,8 @@ Sustained load: each round runs --requests requests with at most --inflight in f
 
 This process's start-up heap is frozen after the warm-up (``freeze_startup_heap``, as ``genartifact generate`` and
 ``serve`` do once their engine started; ``--no-freeze`` leaves it, as a library user's process that does not freeze
-it), and its full GC collections during the rounds are counted per side.
+it), and its full GC collections during the rounds are counted per side. With the default ``file://`` store, a
+store probe before and after the rounds (``common.store_probe``) prints what a small durable create costs there.
 
 Rounds alternate the sides in a rotating order (on, same, plain / same, plain, on / ...). Every side is reported
 with the same statistics (median of rounds, best round) and each ratio also per round (paired: the two sides

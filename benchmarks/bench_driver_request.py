@@ -22,7 +22,9 @@ per request:
   one directory fsync per wave.
 
 The ratio artifact path ÷ bare is the host's overhead over the work the bytes need (1.0 would be none). It also
-prints the artifact path's main-thread CPU per request (what competes with vLLM's output processing on the loop).
+prints the artifact path's main-thread CPU per request (what competes with vLLM's output processing on the loop),
+and a store probe before and after the rounds (``common.store_probe``: a small durable create's cost on that
+filesystem then; on the project's VMs it sets much of the bare side).
 """
 
 from __future__ import annotations

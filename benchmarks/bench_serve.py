@@ -10,7 +10,8 @@ Reports requests/s and tokens/s per side with the same statistics (median of rou
 (median-of-rounds, best-round, per-round paired), plus server RSS, and where the difference goes: each client
 sends its next request when the last one answered, so requests/s follow the mean request latency, and the latency
 artifacts add is split into the server's finalize (its ``genartifact_finalize_seconds`` histogram: last token ->
-receipt) and the rest (the request's time in the engine and the HTTP path).
+receipt) and the rest (the request's time in the engine and the HTTP path). A store probe before and after the
+rounds (``common.store_probe``) prints what a small durable create costs on the store's filesystem then.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Shared helpers for benchmarks: realistic synthetic routes and order-0 entropy."""
+"""Shared helpers for benchmarks: realistic synthetic routes and order-0 entropy, the same-run statistics every ratio
+is printed with, and what to record beside a measurement (the load average, the store's filesystem)."""
 
 from __future__ import annotations
 
