@@ -49,15 +49,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
-    add_smoke,
-    load_line,
-    product_logging,
-    ratio_line,
-    rotation,
-    side_line,
-    store_probe,
-)
+from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line, store_probe  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -43,15 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
-    add_smoke,
-    load_line,
-    product_logging,
-    ratio_line,
-    rotation,
-    side_line,
-    store_probe,
-)
+from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line, store_probe  # noqa: E402
 
 PROMPT = list(range(1, 13))  # 12 prompt tokens, as the engine benchmark's prompts
 
