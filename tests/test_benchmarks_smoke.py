@@ -28,7 +28,8 @@ BENCH = ROOT / "benchmarks"
 STORE_PROBE = r"(?s:.*)^  before the rounds, store probe \(.*\): create \d+ us CPU(?s:.*)^  after the rounds, store probe "
 #: script -> (needs the tiny model / an engine, regex of the line it must print)
 CASES: dict[str, tuple[bool, str]] = {
-    "bench_capture_overhead.py": (True, r"^RATIO capture on / off \(plain engine\): median-of-rounds \d" + STORE_PROBE),
+    "bench_capture_overhead.py": (True, r"^RATIO floor / off \(same engine\): .*median-of-rounds \d(?s:.*)"
+                                        r"^RATIO capture on / off \(plain engine\): median-of-rounds \d" + STORE_PROBE),
     "bench_compression.py": (False, r"^RATIO entropy bound / router-major zstd-1 bytes .*: \d"),
     "bench_decode.py": (False, r"^RATIO decode \(digest inline\) / raw SHA-256 \+ zstd .*median-of-rounds \d"),
     "bench_driver_request.py": (True, r"^  receipts within a wave of \d+ .*: first [\d.]+ ms, middle [\d.]+ ms, last "
