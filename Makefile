@@ -42,7 +42,7 @@ $(SMALL)/model.safetensors: | $(STAMP)
 bench: $(STAMP) $(MODEL)/model.safetensors $(SMALL)/model.safetensors demo
 	$(PY) benchmarks/bench_encode.py                                                  # 1
 	$(PY) benchmarks/bench_compression.py                                             # 2a-2c
-	$(PY) benchmarks/bench_capture_overhead.py --model $(MODEL)                       # 3a, 3c, 4
+	$(PY) benchmarks/bench_capture_overhead.py --model $(MODEL) --floor               # 3a, 3c, 4
 	$(PY) benchmarks/bench_capture_overhead.py --model $(SMALL) --requests 32 --goal 0.98  # 3b
 	$(PY) benchmarks/bench_driver_request.py --model $(MODEL)                         # 3d (driver CPU/request)
 	$(PY) benchmarks/bench_loop_stall.py --model $(MODEL)                             # 3e (long request: loop stall)
