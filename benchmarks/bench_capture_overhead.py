@@ -60,7 +60,16 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_smoke, load_line, product_logging, ratio_line, rotation, side_line, store_probe  # noqa: E402
+from common import (  # noqa: E402
+    add_smoke,
+    durable_unnamed_write,
+    load_line,
+    product_logging,
+    ratio_line,
+    rotation,
+    side_line,
+    store_probe,
+)
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -214,13 +223,7 @@ class FloorWrite:
         digest = hashlib.sha256(data).hexdigest()
         dfd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fd = os.open(".", os.O_WRONLY | os.O_TMPFILE, 0o644, dir_fd=dfd)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-                os.link(f"/proc/self/fd/{fd}", f"{next(FLOOR_NAMES):08d}.{digest[:8]}", dst_dir_fd=dfd)
-            finally:
-                os.close(fd)
+            durable_unnamed_write(dfd, f"{next(FLOOR_NAMES):08d}.{digest[:8]}", data)
             os.fsync(dfd)
         finally:
             os.close(dfd)

@@ -164,6 +164,7 @@ class Driver:
 def bare_wave(bodies: list[bytes], d: Path, start: int) -> None:
     """zstd-1 + SHA-256 of each body, then each written create-only and durable; one directory fsync."""
     import zstandard
+    from common import durable_unnamed_write
 
     cctx = zstandard.ZstdCompressor(level=1)
     dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
@@ -171,13 +172,7 @@ def bare_wave(bodies: list[bytes], d: Path, start: int) -> None:
         for i, body in enumerate(bodies):
             data = cctx.compress(body)
             hashlib.sha256(data).hexdigest()
-            fd = os.open(".", os.O_WRONLY | os.O_TMPFILE, 0o644, dir_fd=dfd)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-                os.link(f"/proc/self/fd/{fd}", f"{start + i:08d}.bare", dst_dir_fd=dfd)
-            finally:
-                os.close(fd)
+            durable_unnamed_write(dfd, f"{start + i:08d}.bare", data)
         os.fsync(dfd)
     finally:
         os.close(dfd)

@@ -173,6 +173,20 @@ def store_probe(folder: str | os.PathLike[str], files: int = 16, size: int = 307
             f"{us(create_wall)} us wall, write + fsync {us(sync_cpu)} us CPU / {us(sync_wall)} us wall (medians)")
 
 
+def durable_unnamed_write(dir_fd: int, name: str, data: bytes) -> None:
+    """``data`` stored create-only and durable as ``name`` in the directory open as ``dir_fd``, as the ``file://``
+    target stores a small object: an unnamed ``O_TMPFILE`` file written and fsynced, then linked as ``name``. The
+    directory's own fsync (which makes the link durable) is the caller's, once per batch. Raises OSError
+    (FileExistsError when ``name`` exists)."""
+    fd = os.open(".", os.O_WRONLY | os.O_TMPFILE, 0o644, dir_fd=dir_fd)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
+    finally:
+        os.close(fd)
+
+
 def product_logging() -> None:
     """Configure logging as the ``genartifact`` CLI does by default (console lines, level INFO), so an in-process
     engine benchmark pays the product's per-request logging, not structlog's unconfigured default (every level)."""

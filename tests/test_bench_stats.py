@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import paired_interval, ratio_line, store_probe, verdict  # noqa: E402
+from common import durable_unnamed_write, paired_interval, ratio_line, store_probe, verdict  # noqa: E402
 
 
 def test_interval_is_the_t_interval_of_the_log_ratios():
@@ -66,3 +66,17 @@ def test_store_probe_raises_for_a_folder_it_cannot_write(tmp_path):
     blocker.write_bytes(b"")
     with pytest.raises(OSError):
         store_probe(blocker / "below")
+
+
+def test_durable_unnamed_write_links_the_whole_file_create_only(tmp_path):
+    import os
+
+    dfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        durable_unnamed_write(dfd, "a", b"xyz" * 1000)
+        with pytest.raises(FileExistsError):  # create-only: an existing name is never replaced
+            durable_unnamed_write(dfd, "a", b"other")
+    finally:
+        os.close(dfd)
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]  # nothing else left (the unnamed file of the refused one)
+    assert (tmp_path / "a").read_bytes() == b"xyz" * 1000
