@@ -16,8 +16,8 @@ Sustained load: each round runs --requests requests with at most --inflight in f
 * "floor" (``--floor``; always in ``--smoke``): the "worker capture only" requests, each of whose ends also
   pays the durable write of one real artifact's bytes (zstd-1, SHA-256, create-only ``O_TMPFILE`` + fsync + link +
   directory fsync, in a thread, the request's slot held until it is done) and nothing else (:class:`FloorWrite`):
-  "floor" ÷ "off" is the least a design with ``file://``'s durability could cost on this box, "on" ÷ "floor" what
-  genartifact's host work adds beyond it;
+  "floor" ÷ "off" is the cost of one durable per-request write as ``file://`` does it now (a design sharing one
+  fsync among several requests could cost less), "on" ÷ "floor" what genartifact's host work adds beyond it;
 * "on, end_step inline" (``--inline-step-end``): "on" with the workers' ``end_step`` hooks run before the step's
   output goes back to the engine (the ``step_end`` worker RPC around the round), as before issue 13's twelfth
   pass deferred them to the worker's wait for the next call: "on" ÷ this side is what the deferral gains;
@@ -192,13 +192,13 @@ FLOOR_NAMES = itertools.count()  # the floor side's file names, unique in the ru
 
 
 class FloorWrite:
-    """The least a durable per-request artifact can cost the driver: ``body`` (the decompressed bytes of one real
-    artifact of this load, ~2-3 KiB) compressed with zstd level 1 in one call, SHA-256 of the frame, written
-    create-only and durable into ``folder`` (an unnamed ``O_TMPFILE`` file fsynced, linked, then the directory
-    fsynced), each write on its own: no admission, no row collection, no encoding of the container, no receipt.
-    The "floor" side (``--floor``) is the workers' capture plus this: what any design with ``file://``'s
-    durability contract would cost on this box, without genartifact's host work around the bytes. ``body``: the
-    stored object of one warm-up "on" request (already a zstd frame: compressing it again costs about what
+    """The bare bytes of a durable per-request artifact, as the "floor" side's driver pays them: ``body`` compressed
+    with zstd level 1 in one call, SHA-256 of the frame, written create-only and durable into ``folder`` (an unnamed
+    ``O_TMPFILE`` file fsynced, linked, then the directory fsynced: ``common.durable_unnamed_write``), each write on
+    its own: no admission, no row collection, no encoding of the container, no receipt. The "floor" side
+    (``--floor``) is the workers' capture plus this: one durable write per request as ``file://`` does it now,
+    without genartifact's host work around the bytes. ``body``: the largest stored object of the first timed "on"
+    round (~1.5 KiB at 64 x 64 on the tiny model; already a zstd frame: compressing it again costs about what
     compressing its container did, a few microseconds at this size)."""
 
     def __init__(self, body: bytes, folder: Path) -> None:
@@ -364,7 +364,7 @@ async def main_async(args) -> None:
     if args.floor:
         print(f"  floor: each request's end writes {len(floor[0].body)} B (zstd-1 + SHA-256 + create-only durable "
               f"write, in a thread) after worker capture, nothing else")
-        print(ratio_line("floor / off (same engine): the least a durable file:// artifact costs here", tps["floor"],
+        print(ratio_line("floor / off (same engine): one bare durable file:// write per request", tps["floor"],
                          tps["off (same engine)"]))
         print(ratio_line("capture on / floor: genartifact's host work beyond the floor", tps["on"], tps["floor"]))
     if args.inline_step_end:
@@ -440,8 +440,8 @@ def main() -> None:
                          "back), the behaviour before deferral (step_end RPC between rounds)")
     ap.add_argument("--floor", action="store_true",
                     help="add a side 'floor': worker capture plus, at each request's end, only the durable write of "
-                         "one real artifact's bytes (zstd-1, SHA-256, create-only + fsync): the least any design "
-                         "with file://'s durability costs (not with --target-url)")
+                         "one real artifact's bytes (zstd-1, SHA-256, create-only + fsync), as file:// writes one "
+                         "object (not with --target-url)")
     ap.add_argument("--rpc-fetch", action="store_true",
                     help="fetch worker rows by collective_rpc instead of the out-of-band handover")
     ap.add_argument("--no-freeze", action="store_true",
