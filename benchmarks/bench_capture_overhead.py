@@ -49,11 +49,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import hashlib
 import itertools
+import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -202,23 +205,19 @@ class FloorWrite:
     compressing its container did, a few microseconds at this size)."""
 
     def __init__(self, body: bytes, folder: Path) -> None:
-        import threading
+        import zstandard
 
         self.body = body
         self.folder = folder
         folder.mkdir(exist_ok=True)
+        self._compressor = zstandard.ZstdCompressor
         self._local = threading.local()  # a ZstdCompressor per thread (an instance is not thread-safe)
 
     def write(self) -> str:
         """Compress, hash and durably store one copy of the body; returns its SHA-256 hex digest. Raises OSError."""
-        import hashlib
-        import os
-
-        import zstandard
-
         cctx = getattr(self._local, "cctx", None)
         if cctx is None:
-            cctx = self._local.cctx = zstandard.ZstdCompressor(level=1)
+            cctx = self._local.cctx = self._compressor(level=1)
         data = cctx.compress(self.body)
         digest = hashlib.sha256(data).hexdigest()
         dfd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
