@@ -3,6 +3,7 @@ is printed with, and what to record beside a measurement (the load average, the 
 
 from __future__ import annotations
 
+import errno
 import os
 import statistics
 import time
@@ -174,17 +175,15 @@ def store_probe(folder: str | os.PathLike[str], files: int = 16, size: int = 307
 
 
 def durable_unnamed_write(dir_fd: int, name: str, data: bytes) -> None:
-    """``data`` stored create-only and durable as ``name`` in the directory open as ``dir_fd``, as the ``file://``
-    target stores a small object: an unnamed ``O_TMPFILE`` file written and fsynced, then linked as ``name``. The
-    directory's own fsync (which makes the link durable) is the caller's, once per batch. Raises OSError
-    (FileExistsError when ``name`` exists)."""
-    fd = os.open(".", os.O_WRONLY | os.O_TMPFILE, 0o644, dir_fd=dir_fd)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
-    finally:
-        os.close(fd)
+    """``data`` stored create-only and durable as ``name`` in the directory open as ``dir_fd``, by the ``file://``
+    target's own write of one small object (``genartifact_fsspec_target._publish_unnamed``: an unnamed ``O_TMPFILE``
+    file written in full and fsynced, then linked as ``name``), without its batching around it. The directory's own
+    fsync (which makes the link durable) is the caller's, once per batch. Raises OSError (FileExistsError when
+    ``name`` exists; EOPNOTSUPP where the filesystem has no ``O_TMPFILE`` or the system no ``/proc``)."""
+    from genartifact_fsspec_target import _publish_unnamed
+
+    if not _publish_unnamed(dir_fd, name, data):
+        raise OSError(errno.EOPNOTSUPP, "no O_TMPFILE or /proc here: the unnamed write this measures is unavailable")
 
 
 def product_logging() -> None:
