@@ -171,6 +171,20 @@ def test_unknown_target_table_is_an_error(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "artifacts").exists()  # refused before anything was created
 
 
+@pytest.mark.fault("generate", "no --target with a config that does not enable managed_fsspec")
+def test_default_target_needs_managed_fsspec_enabled(tmp_path, capsys, monkeypatch):
+    """The default ``--target managed_fsspec:local`` under a config enabling only another target kind: the error
+    names the enabled kinds and what to pass (it read as if managed_fsspec were asked for and "not enabled")."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[plugins]\ncontents = ["selected_logprobs"]\ntargets = ["presigned_http_put"]\n')
+    assert _generate(tmp_path, "--config", str(cfg), "--run-id", "r4") == 2
+    err = capsys.readouterr().err
+    assert "--target not given" in err and "enabled targets: ['presigned_http_put']" in err, err
+    assert "pass --target KIND:VALUE" in err
+    assert not (tmp_path / "artifacts").exists()  # refused before anything was created
+
+
 @pytest.mark.parametrize("ref, match", [(".", "is a directory"), ("memory://nothing/here", "cannot be read"),
                                         ("file:///nonexistent/x", "cannot be read"), ("local:runs/missing.gart", "KIND:OBJECT_ID"),
                                         ("managed_fsspec:local:runs/missing.gart", "managed_fsspec"),

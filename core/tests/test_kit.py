@@ -106,6 +106,12 @@ class UnboundedEcho(Echo):
         self.vals.extend(delta.new_token_ids)  # relies on the session's max_tokens check alone
 
 
+class OnePerDeltaEcho(Echo):
+    def on_delta(self, delta):
+        if delta.new_token_ids:
+            self.vals.append(delta.new_token_ids[0])  # assumes one token per delta: drops the rest of a merged one
+
+
 def echo_plugin(reader, producer=Echo):
     from genartifact.testing import hookimpl
 
@@ -156,6 +162,22 @@ def test_content_suite_catches_a_content_without_its_own_token_bound():
     TestEchoConformance().test_recording_past_max_tokens_is_bounded()  # the bounded one passes
 
 
+def test_content_suite_catches_a_content_assuming_one_token_per_delta():
+    """vLLM's DELTA output merges the tokens of several steps when the driver's loop falls behind: a producer that
+    keeps one value per delta passes with one-token deltas and is caught by the several-tokens case."""
+
+    class Suite(ContentConformance):
+        content = "echo"
+
+        def make_host(self):
+            return make_host(contents={"echo": echo_plugin(StrictReader(), OnePerDeltaEcho)})
+
+    Suite().test_strict_decode_round_trip()  # one token per delta: looks fine
+    with pytest.raises(pytest.fail.Exception, match="deltas of \\[1, 2, 3, 3\\] tokens"):
+        Suite().test_deltas_of_several_tokens_round_trip()
+    TestEchoConformance().test_deltas_of_several_tokens_round_trip()  # a content counting tokens passes
+
+
 def test_deltas_builder_shapes():
     ds = deltas([1, 2], [3, 4, 5], logprobs=[-1.0, -2.0, -3.0], start_ns=100, step_ns=10)
     assert [d.new_token_ids for d in ds] == [[3], [4], [5]]
@@ -164,6 +186,12 @@ def test_deltas_builder_shapes():
     assert ds[1].new_logprobs == [{4: -2.0}]
     final = deltas([1], [2, 3], per_step=False)
     assert len(final) == 1 and final[0].new_token_ids == [2, 3] and final[0].finished
+    merged = deltas([1], [2, 3, 4, 5], logprobs=[-1.0, -2.0, -3.0, -4.0], sizes=[1, 3])
+    assert [d.new_token_ids for d in merged] == [[2], [3, 4, 5]] and [d.finished for d in merged] == [False, True]
+    assert merged[1].new_logprobs == [{3: -2.0}, {4: -3.0}, {5: -4.0}]
+    for bad in ([1, 2], [0, 4], [4, 0], [True, 3], [2.0, 2]):
+        with pytest.raises(ValueError, match="sizes"):
+            deltas([1], [2, 3, 4, 5], sizes=bad)
 
 
 def test_run_session_reads_back_through_the_target():

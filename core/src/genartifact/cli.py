@@ -680,8 +680,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local model directory")
     p.add_argument("--prompts", required=True, help="JSONL: {\"prompt\": str, ...} per line")
     p.add_argument("--contents", help="comma list (default: every enabled content plugin)")
-    p.add_argument("--target", default="managed_fsspec:local",
-                   help="KIND:PROFILE shorthand for managed_fsspec, or a JSON target object")
+    p.add_argument("--target", default=None,
+                   help="KIND:VALUE shorthand of an enabled target plugin (managed_fsspec:PROFILE, or a third-party "
+                        "kind's own), or a JSON target object; default managed_fsspec:local (needs managed_fsspec "
+                        "enabled); a row's own \"target\" wins")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default=None,
                    help="receipts.jsonl path, must not exist unless --resume (default: artifacts/runs/<run-id>/receipts.jsonl)")

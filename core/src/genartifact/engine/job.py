@@ -329,6 +329,25 @@ def target_for(arg: str, run_id: str, index: int, host: PluginHost | None = None
     return t
 
 
+#: ``generate --target`` when none is given: the config's ``local`` profile of the ``managed_fsspec`` target
+DEFAULT_TARGET = "managed_fsspec:local"
+
+
+def default_target(arg: str | None, host: PluginHost) -> str:
+    """``generate``'s ``--target`` argument: ``arg`` as given, else :data:`DEFAULT_TARGET` when the ``managed_fsspec``
+    target is enabled. Raises :class:`~genartifact.errors.ConfigError` when no ``--target`` was given and the
+    config does not enable ``managed_fsspec`` (a config enabling only a third-party target kind): the error names
+    the enabled kinds instead of refusing the default as a kind that is "not enabled"."""
+    if arg is not None:
+        return arg
+    enabled = [p.name for p in host.enabled["targets"]]
+    if "managed_fsspec" in enabled:
+        return DEFAULT_TARGET
+    raise ConfigError(f"--target not given, and its default {DEFAULT_TARGET} needs the managed_fsspec target, which "
+                      f"this config does not enable (enabled targets: {enabled}); pass --target KIND:VALUE (an "
+                      f"enabled target plugin's shorthand) or a JSON target object")
+
+
 def check_target_tables(cfg: config_mod.Config, host: PluginHost) -> dict[str, Any]:
     """Build every enabled target from its settings (raises ``ConfigError`` on bad settings) and reject
     settings tables for target kinds that no installed plugin provides. A target factory that faults (a plugin
@@ -775,8 +794,10 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
     def on_signal(signum: int) -> None:
         if "signal" not in stop:
             stop["signal"] = signum
-            log.warning("generate_stopping", signal=signal.Signals(signum).name, draining=len(delivering),
-                        aborting=len([i for i in tasks if i not in delivering and not tasks[i].done()]))
+            log.warning("generate_stopping", signal=signal.Signals(signum).name,
+                        draining=len([i for i in delivering if not tasks[i].done()]),
+                        aborting=len([i for i in tasks if i not in delivering and not tasks[i].done()]),
+                        drain_s=DRAIN_S)
             for i, t in tasks.items():
                 if i not in delivering:
                     t.cancel()  # still generating: abort in vLLM, nothing stored
@@ -879,6 +900,7 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     for c in contents:  # a typo in --contents fails now, not as one rejected receipt per row
         host.require("contents", c, "--contents")
     check_target_tables(cfg, host)  # plugin and target settings fail now
+    args.target = default_target(args.target, host)
     target_for(args.target, run_id, 0, host)  # and a malformed --target
     replicas = getattr(args, "replicas", None)
     from genartifact.engine.replicas import check_replica_args

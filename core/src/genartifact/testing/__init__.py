@@ -206,11 +206,15 @@ def make_host(contents: Mapping[str, Any] | Sequence[str] = (), targets: Mapping
 def deltas(prompt: Sequence[int], completion: Sequence[int], *, per_step: bool = True,
            logprobs: Sequence[float] | Callable[[int, int], Mapping[int, float]] | None = None,
            finish_reason: str = "length", routed_experts: Any = None, start_ns: int | None = None,
-           step_ns: int = 1_000_000) -> list[Delta]:
+           step_ns: int = 1_000_000, sizes: Sequence[int] | None = None) -> list[Delta]:
     """Engine deltas for one request, as the vLLM adapter produces them.
 
     ``per_step``: one delta per completion token (``RequestOutputKind.DELTA``), else one final delta with every
-    token (``FINAL_ONLY``). ``logprobs``: per completion token the sampled token's logprob (list of floats), or a
+    token (``FINAL_ONLY``). ``sizes`` (overrides ``per_step``): the number of completion tokens in each delta, in
+    order (ints >= 1 summing to ``len(completion)``): vLLM's DELTA output holds every token generated since the
+    driver last took the request's output, so a delta carries several tokens whenever the driver's event loop fell
+    behind the engine (a busy loop, a slow hook); raises ``ValueError`` for sizes that do not split the
+    completion. ``logprobs``: per completion token the sampled token's logprob (list of floats), or a
     function ``(position, token) -> {token_id: logprob}``; None gives deltas without logprobs. The last delta is
     ``finished`` with ``finish_reason``; ``arrival_ns`` increases by ``step_ns`` from ``start_ns`` (default
     ``time.monotonic_ns()``). ``routed_experts`` (``[rows, layers, top_k]``) rides on the final delta."""
@@ -221,7 +225,14 @@ def deltas(prompt: Sequence[int], completion: Sequence[int], *, per_step: bool =
             return logprobs(i, tok)
         return {int(tok): float(logprobs[i])}  # type: ignore[index]
 
-    chunks = [[i] for i in range(len(completion))] if per_step else [list(range(len(completion)))]
+    if sizes is not None:
+        sizes = list(sizes)
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in sizes) or sum(sizes) != len(completion):
+            raise ValueError(f"sizes {sizes!r} must be ints >= 1 summing to the completion's {len(completion)} tokens")
+        bounds = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
+        chunks = [list(range(bounds[j], bounds[j + 1])) for j in range(len(sizes))]
+    else:
+        chunks = [[i] for i in range(len(completion))] if per_step else [list(range(len(completion)))]
     if not chunks or not chunks[0]:
         chunks = [[]]
     out = []

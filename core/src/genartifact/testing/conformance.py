@@ -424,6 +424,33 @@ class ContentConformance:
         lp = list(self.logprobs)
         return [lp[i % len(lp)] for i in range(len(completion))] if lp else None
 
+    def test_deltas_of_several_tokens_round_trip(self) -> None:
+        """Per-step deltas that carry several tokens each, as vLLM's DELTA output does whenever the driver's loop
+        took a request's output after more than one engine step: the content must still end ``ready``, aligned
+        to every completion token (a content that keeps one value per delta instead of one per token fails here,
+        or in its reader, instead of in production). Runs on a completion of at least 7 tokens, split 1, 2, 3, ..."""
+        from genartifact.testing import deltas, run_session
+
+        if not self.per_step:
+            pytest.skip("the suite feeds this content one final delta (per_step = False)")
+        completion = list(self.completion)
+        while len(completion) < 7:
+            completion += list(self.completion)
+        sizes, left, k = [], len(completion), 1
+        while left:
+            sizes.append(min(k, left))
+            left -= sizes[-1]
+            k += 1
+        p = list(self.prompt)
+        lps = self._logprobs_for(completion)
+        res = run_session(self.make_host(), [self.content], p, completion, model=self.model(),
+                          engine=self.engine(p, completion), logprobs=lps, sampling=dict(self.sampling),
+                          deltas_=deltas(p, completion, logprobs=lps, sizes=sizes))
+        if res.receipt.get("state") != "ready" or res.artifact is None:
+            pytest.fail(f"content {self.content!r}: deltas of {sizes} tokens did not produce an artifact: "
+                        f"{_receipt_problem(res.receipt)}", pytrace=False)
+        assert res.artifact.completion_token_count == len(completion)
+
     def test_release_is_idempotent_and_clears_retained_bytes(self) -> None:
         res = self.ready_session()
         for p in res.session._producers:
