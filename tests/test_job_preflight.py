@@ -43,6 +43,34 @@ def test_prompt_rows_are_strict(tmp_path, row, match):
         read_prompts(f)
 
 
+@pytest.mark.parametrize("target", [
+    "http://127.0.0.1:1/ok/x?X-Amz-Signature=SECRETSIG",
+    [{"kind": "presigned_http_put", "url": "http://127.0.0.1:1/ok/obj99?X-Amz-Signature=SECRETSIG",
+      "headers": {"x-amz-meta-k": "HDRSECRET"}}],
+])
+@pytest.mark.fault("generate", "a row's target of the wrong shape is never echoed")
+def test_a_malformed_row_target_is_not_echoed(tmp_path, target):
+    """A presigned grant in the wrong shape (a bare URL string, a list around the object) is refused naming the
+    field and its allowed values, without its URL, host or signed values (a rejected receipt carries this text)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "x", "target": target}) + "\n")
+    with pytest.raises(RequestSpecError) as e:
+        read_prompts(f)
+    err = e.value
+    assert "target=<a JSON " in str(err) and "allowed: a target object" in str(err)
+    for secret in ("SECRETSIG", "HDRSECRET", "127.0.0.1", "X-Amz", "obj99"):
+        assert secret not in str(err), str(err)
+
+
+def test_row_values_in_errors_are_redacted_and_short(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "x", "seed": "http://h/x?token=SECRETTOK" + "y" * 500}) + "\n")
+    with pytest.raises(RequestSpecError) as e:
+        read_prompts(f)
+    err = e.value
+    assert "SECRETTOK" not in str(err) and "seed=" in str(err) and len(str(err)) < 300
+
+
 @pytest.mark.fault("generate", "NaN and non-UTF-8 prompt files")
 def test_nan_and_non_utf8_prompt_files(tmp_path):
     f = tmp_path / "p.jsonl"

@@ -141,11 +141,23 @@ def check_row(obj: Any, where: str) -> None:
     for k, v in obj.items():
         check, allowed = ROW_FIELDS[k]
         if not check(v):
-            try:
-                shown = json.dumps(v)[:80]
-            except (TypeError, ValueError):
-                shown = repr(v)[:80]
-            raise RequestSpecError(f"{where}: {k}={shown} invalid; allowed: {allowed}")
+            raise RequestSpecError(f"{where}: {k}={_shown(k, v)} invalid; allowed: {allowed}")
+
+
+def _shown(key: str, value: Any) -> str:
+    """A row value as an error message may show it: a ``target`` by its JSON type only (a presigned grant's URL and
+    signed headers are secrets, whatever shape the row gave them), anything else as JSON with URL queries and
+    secret-named values redacted (:func:`genartifact.host.redact`), cut to 80 characters."""
+    from genartifact.host import redact
+
+    if key == "target":
+        kind = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value))
+        return f"<a JSON {kind or 'number'}, not shown>"
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return redact(text, 80)
 
 
 def _checked_row(row: Any, i: int) -> dict[str, Any] | RequestSpecError:
