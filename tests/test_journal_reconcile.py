@@ -216,6 +216,34 @@ def test_reconcile_reports_and_removes_crash_temp_files(tmp_path, capsys):
     assert [x["status"] for x in out["leftovers"]] == ["removed"] and not tmp.exists()
 
 
+@pytest.mark.fault("journal", "an object key named like the target's temp files")
+def test_temp_like_keys_are_refused_and_a_vouched_one_is_never_removed(tmp_path, capsys):
+    """`reconcile --delete` removes `.genartifact-tmp-*` files as crash leftovers: such a key is refused at
+    validation, and an object stored under one before (a ready receipt vouches for it) is reported and kept."""
+    import os
+
+    from genartifact.errors import TargetError
+    from genartifact_fsspec_target import ManagedFsspecTarget, parse_profiles
+
+    root, jpath = tmp_path / "store", tmp_path / "j.jsonl"
+    t = ManagedFsspecTarget(parse_profiles({"profiles": {"local": {"url": str(root), "allowed_prefixes": ["runs/"]}}}))
+    for key in ("runs/.genartifact-tmp-victim.gart", "runs/.genartifact-tmp-d/x.gart"):
+        with pytest.raises(TargetError, match="reserved for the target's temp files"):
+            t.validate({"kind": "managed_fsspec", "profile": "local", "object_key": key})
+    t.validate({"kind": "managed_fsspec", "profile": "local", "object_key": "runs/.genartifact-tm.gart"})
+    sha = _store(root, "runs/.genartifact-tmp-victim.gart", b"a stored artifact")
+    os.utime(root / "runs/.genartifact-tmp-victim.gart", (1, 1))
+    receipts = tmp_path / "r.jsonl"
+    receipts.write_text(json.dumps({"state": "ready", "object_id": "local:runs/.genartifact-tmp-victim.gart",
+                                    "sha256": sha}) + "\n")
+    cfg = _cfg(tmp_path, root, jpath)
+    out = _reconcile(capsys, cfg, "--delete", "--receipts", str(receipts))
+    assert [x["status"] for x in out["leftovers"]] == ["vouched"]
+    assert (root / "runs/.genartifact-tmp-victim.gart").read_bytes() == b"a stored artifact"
+    out = _reconcile(capsys, cfg, "--delete")  # without the receipt nothing vouches for it: a leftover
+    assert [x["status"] for x in out["leftovers"]] == ["removed"]
+
+
 @pytest.mark.fault("journal", "presigned delivery that cannot be read back")
 def test_presigned_deliveries_are_unverifiable_not_deleted(tmp_path, capsys):
     jpath = tmp_path / "j.jsonl"

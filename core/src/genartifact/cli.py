@@ -558,7 +558,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             if target is not None and hasattr(target, "leftovers"):
                 for item in await target.leftovers(args.older_than):
                     item = {"kind": kind, **item, "status": "leftover"}
-                    if args.delete and await target.remove_leftover(item):
+                    if vouched.get(item.get("object_id")):  # a ready outcome/receipt names it: an object, kept
+                        item["status"] = "vouched"
+                    elif args.delete and await target.remove_leftover(item):
                         item["status"] = "removed"
                     left.append(item)
         return rows, left
@@ -572,9 +574,11 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             print(f"{r['status']:12} {r['kind']:20} {_safe(r['object_id'])}  (last state: {r['last_state']}{code}; "
                   f"age {r['age_s']:.0f} s)")
         for item in left:
-            print(f"{item['status']:12} {item['kind']:20} {_safe(item['path'])}  (temp file, {item['bytes']} bytes, "
+            what = "an object with a temp file's name, vouched for: kept" if item["status"] == "vouched" else "temp file"
+            print(f"{item['status']:12} {item['kind']:20} {_safe(item['path'])}  ({what}, {item['bytes']} bytes, "
                   f"age {item['age_s']:.0f} s)")
-        print(f"{len(rows)} unresolved deliveries, {len(left)} temp-file leftovers "
+        n_left = sum(1 for item in left if item["status"] != "vouched")
+        print(f"{len(rows)} unresolved deliveries, {n_left} temp-file leftovers "
               f"(age guard: older than {args.older_than:g} s)")
     return 0
 

@@ -256,6 +256,10 @@ class ManagedFsspecTarget:
         key = validate_key(spec.get("object_key"))
         if not any(_under(key, pre) for pre in prof.allowed_prefixes):
             raise TargetError(f"managed_fsspec target.object_key is outside the profile's allowed prefixes {list(prof.allowed_prefixes)}")
+        reserved = next((seg for seg in key.split("/") if seg.startswith(TEMP_PREFIX)), None)
+        if reserved is not None:  # `reconcile --delete` removes such names as crash leftovers: never an object's
+            raise TargetError(f"managed_fsspec target.object_key segment {reserved[:80]!r} starts with "
+                              f"{TEMP_PREFIX!r}, reserved for the target's temp files; allowed: any other name")
         return ValidatedTarget(kind=KIND, max_bytes=prof.max_bytes, object_id=f"{name}:{key}", detail=(prof, key))
 
     def describe(self, target: ValidatedTarget) -> dict[str, Any]:
@@ -322,7 +326,9 @@ class ManagedFsspecTarget:
 
     async def leftovers(self, older_than_s: float) -> list[dict[str, Any]]:
         """Crash leftovers per profile: ``file://`` temp files (``.genartifact-tmp-*``) older than
-        ``older_than_s`` seconds under the allowed prefixes, as ``{"profile", "path", "age_s", "bytes"}``.
+        ``older_than_s`` seconds under the allowed prefixes, as ``{"profile", "path", "age_s", "bytes", "object_id"}``
+        (``object_id``: the id an object at that path would have; ``reconcile`` keeps a leftover a ready outcome or
+        receipt vouches for).
         ``memory://`` and S3 leave none (an S3 PutObject is all-or-nothing; multipart is never used)."""
         out: list[dict[str, Any]] = []
         for prof in self.profiles.values():
@@ -1021,7 +1027,11 @@ def _local_leftovers(prof: Profile, older_than_s: float) -> list[dict[str, Any]]
                     continue
                 age = now - st.st_mtime
                 if age >= older_than_s:
-                    out.append({"profile": prof.name, "path": str(p), "age_s": round(age, 1), "bytes": st.st_size})
+                    # the object id the file would have: an object stored under a temp-like key before such keys
+                    # were refused is one that reconcile finds vouched for and keeps
+                    oid = f"{prof.name}:{p.relative_to(root).as_posix()}" if p.is_relative_to(root) else None
+                    out.append({"profile": prof.name, "path": str(p), "age_s": round(age, 1), "bytes": st.st_size,
+                                "object_id": oid})
     return out
 
 
