@@ -100,6 +100,47 @@ def test_journal_never_holds_secrets_and_survives_torn_last_line(tmp_path):
     assert row["ref"] == {"host": "bucket.example.com"} and row["last_state"] is None
 
 
+@pytest.mark.fault("journal", "a full disk mid-append, then more appends")
+def test_a_failed_append_leaves_no_torn_line_and_a_torn_tail_is_cut_off(tmp_path, monkeypatch):
+    """An append that fails or comes up short (ENOSPC) is cut back off; a torn tail left by a writer that died
+    mid-line is cut off before the next record, which starts on its own line: the journal stays readable (a
+    record glued to a torn line read as "not JSON" and stopped every later reconcile and resume)."""
+    import os
+
+    from genartifact import journal as jmod
+
+    path = tmp_path / "j.jsonl"
+    j = DeliveryJournal(path)
+    first = j.intent(kind="k", object_id="o1", ref={}, sha256="a" * 64, byte_count=1)
+    before = path.read_bytes()
+    real_write = os.write
+
+    def short(fd, data):  # the disk fills mid-record
+        return real_write(fd, data[: len(data) // 2])
+
+    monkeypatch.setattr(jmod.os, "write", short)
+    with pytest.raises(OSError):
+        j.intent(kind="k", object_id="o2", ref={}, sha256="b" * 64, byte_count=1)
+
+    def enospc(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(jmod.os, "write", enospc)
+    with pytest.raises(OSError):
+        j.outcome(first, "ready")
+    monkeypatch.setattr(jmod.os, "write", real_write)
+    assert path.read_bytes() == before  # nothing of either record stayed
+    with open(path, "ab") as f:
+        f.write(b'{"byte_count":798,"event":"intent","sha256":')  # a writer that died mid-line
+    j.outcome(first, "ready")
+    second = j.intent(kind="k", object_id="o3", ref={}, sha256="c" * 64, byte_count=1)
+    assert path.read_bytes().count(b"\n") == 3 and b"798" not in path.read_bytes()
+    assert [(d["id"], d["last_state"]) for d in j.deliveries()] == [(first, "ready"), (second, None)]
+    path.write_bytes(b'{"torn')  # a single torn line: the file is cut to nothing before the record
+    j.intent(kind="k", object_id="o4", ref={}, sha256="d" * 64, byte_count=1)
+    assert [d["object_id"] for d in j.deliveries()] == ["o4"]
+
+
 def _cfg(tmp_path, root, jpath):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[targets.managed_fsspec.profiles.local]\nurl = "{root}"\nallowed_prefixes = ["runs/"]\n'

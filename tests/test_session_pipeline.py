@@ -729,6 +729,33 @@ async def test_every_delivery_journals_an_outcome(host, tmp_path):
     assert [(d["last_state"], d["last_code"]) for d in j.deliveries()] == [("ready", None), ("failed", "object_exists")]
 
 
+@pytest.mark.fault("journal", "an intent that cannot be written (ENOSPC)")
+async def test_an_unwritable_intent_fails_delivery_and_stores_nothing(host, tmp_path, monkeypatch, caplog):
+    """No durable intent, no upload: the receipt is delivery_failed (not internal_error, which says a plugin broke
+    its contract), the object is not written, and the log names the journal."""
+    from genartifact.journal import DeliveryJournal
+
+    j = DeliveryJournal(tmp_path / "j.jsonl")
+
+    def full(**_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(j, "intent", full)
+    key = f"runs/{uuid.uuid4().hex}.gart"
+    s = ArtifactSession.for_request(host, parse_request(spec(key=key)), MODEL, SETTINGS, j)
+    s.admit(2, 1)
+    s.record(Delta([1, 2], [3], lp([3]), finished=True))
+    r = await s.finalize()
+    assert (r["state"], r["error_code"]) == ("failed", "delivery_failed")
+    assert not fsspec.filesystem("memory").exists(f"/ga-test/{key}")
+    assert j.deliveries() == []
+    monkeypatch.undo()  # the same request with a writable journal: stored where the check above looked
+    s = ArtifactSession.for_request(host, parse_request(spec(key=key)), MODEL, SETTINGS, j)
+    s.admit(2, 1)
+    s.record(Delta([1, 2], [3], lp([3]), finished=True))
+    assert (await s.finalize())["state"] == "ready" and fsspec.filesystem("memory").exists(f"/ga-test/{key}")
+
+
 @pytest.mark.fault("encoder", "producer retaining over its budget")
 def test_retained_bytes_over_budget_fail_the_capture(host):
     """The budget backstop: retained bytes (token ids + every delta-fed producer's) above the session's budget fail

@@ -49,15 +49,32 @@ class DeliveryJournal:
         self._lock = threading.Lock()
 
     def _append(self, record: Mapping[str, Any]) -> None:
+        """Append one record as one line, durably (fsync), or leave the file as it was: a write that fails or
+        comes up short (ENOSPC) is cut back off, so the file never keeps a torn line of this process. A torn
+        tail left by a writer that died mid-line (a power loss) is cut off first, so a record never continues
+        another one's partial line (such a line read as "not JSON" and stopped every later reconcile and resume).
+        Appends of every process are serialised by an exclusive ``flock`` on the file (several runs may share
+        one journal). Raises ``OSError``."""
+        import fcntl
+
         line = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode()
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             try:
-                n = os.write(fd, line)
-                if n != len(line):
-                    raise OSError(28, "short write to the delivery journal")
-                os.fsync(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released by close, also when this process dies
+                size = _whole_lines_size(fd)
+                try:
+                    n = os.write(fd, line)
+                    if n != len(line):
+                        raise OSError(28, "short write to the delivery journal")
+                    os.fsync(fd)
+                except BaseException:
+                    try:  # nothing of this record stays behind (a later append starts on a whole line)
+                        os.ftruncate(fd, size)
+                    except OSError:
+                        pass  # cut off by the next append's torn-tail check instead
+                    raise
             finally:
                 os.close(fd)
 
@@ -94,7 +111,8 @@ class DeliveryJournal:
             except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested too deeply
                 if n == len(lines):
                     continue  # a torn last line from a crash mid-append
-                raise ConfigError(f"journal {self.path}:{n} is not JSON") from None
+                raise ConfigError(f"journal {self.path}:{n} is not JSON (a damaged line: move the journal aside or "
+                                  f"delete that line, then rerun)") from None
             problem = _record_problem(rec)
             if problem:
                 if n == len(lines):
@@ -111,6 +129,24 @@ class DeliveryJournal:
         """Deliveries that may have left an object nobody was told about: no outcome, ``interrupted``, or
         ``failed`` with an ambiguous code (not in :data:`NOT_STORED_CODES`); oldest first."""
         return [d for d in self.deliveries() if _needs_check(d)]
+
+
+def _whole_lines_size(fd: int) -> int:
+    """The size of the journal open at ``fd`` after cutting off a torn tail (bytes after the last newline: a line
+    whose writer died mid-write); the file is truncated to it. Called with the append lock held."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    end = size
+    while end > 0:  # back to the last newline, in blocks
+        start = max(0, end - 65536)
+        i = os.pread(fd, end - start, start).rfind(b"\n")
+        if i >= 0:
+            end = start + i + 1
+            break
+        end = start
+    os.ftruncate(fd, end)
+    return end
 
 
 _INTENT_FIELDS = {"id": str, "kind": str, "object_id": str, "sha256": str, "t": (int, float), "byte_count": int}

@@ -435,9 +435,13 @@ class ArtifactSession:
             if self.journal is not None:
                 describe = getattr(self._target, "describe", None)
                 ref = describe(validated) if describe is not None else {}
-                did = await asyncio.to_thread(self.journal.intent, kind=self.request.target_kind,
-                                              object_id=validated.object_id, ref=ref, sha256=enc.sha256,
-                                              byte_count=enc.byte_count)
+                try:
+                    did = await asyncio.to_thread(self.journal.intent, kind=self.request.target_kind,
+                                                  object_id=validated.object_id, ref=ref, sha256=enc.sha256,
+                                                  byte_count=enc.byte_count)
+                except OSError as e:  # (ENOSPC...) no durable intent, so no upload: nothing was stored
+                    log.error("journal_intent_not_written", errno=e.errno, target_kind=self.request.target_kind)
+                    return failed_receipt(self.request, "delivery_failed")
             try:
                 object_id = await self._target.deliver(validated, enc.data, enc.sha256)
             except (DeliveryError, TargetError) as e:
