@@ -740,6 +740,7 @@ async def test_an_unwritable_intent_fails_delivery_and_stores_nothing(host, tmp_
     def full(**_):
         raise OSError(28, "No space left on device")
 
+    writable = j.intent
     monkeypatch.setattr(j, "intent", full)
     key = f"runs/{uuid.uuid4().hex}.gart"
     s = ArtifactSession.for_request(host, parse_request(spec(key=key)), MODEL, SETTINGS, j)
@@ -749,7 +750,7 @@ async def test_an_unwritable_intent_fails_delivery_and_stores_nothing(host, tmp_
     assert (r["state"], r["error_code"]) == ("failed", "delivery_failed")
     assert not fsspec.filesystem("memory").exists(f"/ga-test/{key}")
     assert j.deliveries() == []
-    monkeypatch.undo()  # the same request with a writable journal: stored where the check above looked
+    monkeypatch.setattr(j, "intent", writable)  # the same request with a writable journal: stored where looked
     s = ArtifactSession.for_request(host, parse_request(spec(key=key)), MODEL, SETTINGS, j)
     s.admit(2, 1)
     s.record(Delta([1, 2], [3], lp([3]), finished=True))
