@@ -80,6 +80,9 @@ def make_handler(state: FaultServer):
                 status = 503
             elif mode == "s429" and n == 1:
                 status = 429
+            elif mode == "s500store" and n == 1:  # committed the bytes, then failed to answer
+                state.store[path] = body
+                status = 500
             elif mode == "always503":
                 status = 503
             elif mode == "redirect":

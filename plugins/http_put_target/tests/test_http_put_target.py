@@ -259,6 +259,18 @@ def test_second_put_is_412_object_exists(fault_server):
     assert e.value.code == "object_exists" and fault_server.store["/ok/same"] == b"artifact-bytes"
 
 
+@pytest.mark.fault("presigned", "5xx after the store committed, then 412 on the resend")
+def test_412_after_a_5xx_is_ambiguous_not_object_exists(fault_server):
+    """The store kept the first attempt's bytes and answered 500; the resend gets 412. object_exists would tell the
+    journal that nothing of ours was stored (reconcile would never list it), yet the object holds our bytes: the
+    failure is ambiguous, delivery_failed. A 412 to a first attempt stays object_exists (above)."""
+    t = PresignedHttpPutTarget(settings(fault_server))
+    with pytest.raises(DeliveryError) as e:
+        put(t, grant(url=fault_server.url("/s500store/k")))
+    assert e.value.code == "delivery_failed" and len(fault_server.requests) == 2
+    assert fault_server.store["/s500store/k"] == b"artifact-bytes"
+
+
 @pytest.mark.fault("presigned", "store too slow to answer")
 def test_slow_response_times_out(fault_server):
     t = PresignedHttpPutTarget(settings(fault_server, read_timeout_s=0.3))

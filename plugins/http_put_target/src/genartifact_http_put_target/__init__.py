@@ -31,7 +31,8 @@ Sending: expiry rechecked before every attempt; one PUT of the exact bytes with 
 (never chunked); exactly the required headers plus Host and Content-Length (httpx's defaults removed); no
 redirects; explicit connect/read/write timeouts and a whole-delivery deadline; any 2xx is success; retries with
 exponential backoff only on connect errors, 429 and 5xx, rebuilding the request each time and never past
-expiry; 412 means the object exists; 403 is final and classified by its body (at most 4 KiB read; S3/GCS XML
+expiry; 412 means the object exists (``object_exists``), except after an attempt that got a 5xx, when the object
+may hold this delivery's own bytes (``delivery_failed``: ambiguous, so reconcile lists it); 403 is final and classified by its body (at most 4 KiB read; S3/GCS XML
 ``<Code>``/``<Message>``): ``expired`` only when the store says the request expired, ``signature_mismatch``
 for ``SignatureDoesNotMatch``, else ``forbidden``. ``max_attempts`` counts PUTs sent by this client (httpx
 never resends on its own).
@@ -413,6 +414,9 @@ class PresignedHttpPutTarget:
         async with httpx.AsyncClient(transport=self._transport, follow_redirects=False, trust_env=False,
                                      timeout=timeout) as client:
             client.headers.clear()  # send exactly the required headers (+ Host, Content-Length)
+            # an earlier attempt got a 5xx: the store may have committed our bytes before it failed to answer, so a
+            # later 412 may be answering our own write (ambiguous, not proof that nothing of ours was stored)
+            maybe_stored = False
             for attempt in range(1, s.max_attempts + 1):
                 if time.time() >= g.expires_at - EXPIRY_MARGIN_S:
                     raise DeliveryError("presigned grant expired before upload", "expired")
@@ -446,8 +450,13 @@ class PresignedHttpPutTarget:
                         log.info("presigned_put_ok", host=g.host, status=status, attempt=attempt, bytes=len(data))
                         return
                     retry = status == 429 or status >= 500
+                    if status == 412 and maybe_stored:
+                        log.warning("presigned_put_exists_after_resend", host=g.host, attempt=attempt)
+                        raise DeliveryError("presigned artifact PUT answered 412 after a resend: the object may be "
+                                            "this delivery's own earlier attempt", "delivery_failed")
                     if not retry:
                         raise _status_error(status, body[:4096])
+                    maybe_stored = maybe_stored or status >= 500
                 log.warning("presigned_put_retry", host=g.host, status=status, attempt=attempt)
                 if attempt == s.max_attempts:
                     break
