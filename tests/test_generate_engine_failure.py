@@ -21,10 +21,16 @@ def test_requests_of_a_dead_engine_say_engine_failed_not_signal(tmp_path, monkey
     rows = [{"prompt": "a"}, {"prompt": "b", "n": 3}, {"prompt": "c", "n": 0}]
     writer = ReceiptsWriter(tmp_path / "receipts.jsonl")
     stop: dict = {}
-    receipts = asyncio.run(run_generate(model="/m", prompts=rows, cfg=cfg, contents=["selected_logprobs"],
-                                        target="managed_fsspec:local", max_tokens=4, run_id="r", engine_kwargs={},
-                                        progress=False, writer=writer, stop=stop))
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        receipts = asyncio.run(run_generate(model="/m", prompts=rows, cfg=cfg, contents=["selected_logprobs"],
+                                            target="managed_fsspec:local", max_tokens=4, run_id="r", engine_kwargs={},
+                                            progress=False, writer=writer, stop=stop))
     writer.close()
+    # each engine_failed receipt says "the log has the cause": the row's line is there, naming the exception
+    assert any(e["event"] == "request_failed" and e["index"] == 0 and e["error_type"] == "EngineDeadError"
+               for e in logs), logs
     assert stop == {}  # no signal was involved
     keys = [(r["index"], r.get("sample")) for r in receipts]
     assert keys == [(0, None), (1, 0), (1, 1), (1, 2), (2, None)]

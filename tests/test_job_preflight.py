@@ -30,6 +30,7 @@ from genartifact.spec import parse_request
         ({"prompt": "x", "contents": []}, "contents"),
         ({"prompt": "x", "target": ["a"]}, "target"),
         ({"prompt": ""}, "prompt"),
+        ({"prompt": "\ud800 lone surrogate"}, "prompt=.* invalid; allowed: a non-empty string of valid Unicode"),
         ({"prompt": "x", "n": 0}, "n=0 invalid; allowed: an integer 1..256"),
         ({"prompt": "x", "n": 257}, "n=257 invalid"),
         ({"prompt": "x", "n": True}, "n=true invalid"),

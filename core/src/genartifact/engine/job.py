@@ -64,9 +64,19 @@ def _num(v: Any, lo: float, hi: float) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
 
 
+def _unicode(v: str) -> bool:
+    """``v`` encodes to UTF-8 (JSON can carry a lone surrogate escape, which no tokenizer takes)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 # field -> (check, allowed values as told to the user)
 ROW_FIELDS: dict[str, tuple[Any, str]] = {
-    "prompt": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "prompt": (lambda v: isinstance(v, str) and v != "" and _unicode(v),
+               "a non-empty string of valid Unicode (no lone surrogate: JSON's \\ud800..\\udfff escapes unpaired)"),
     "max_tokens": (lambda v: _int(v, 1, 1_000_000), "an integer 1..1000000"),
     "contents": (lambda v: isinstance(v, list) and v and all(isinstance(c, str) for c in v),
                  "a non-empty list of content names"),
@@ -467,7 +477,10 @@ def _unfinished_receipt(i: int, task: Any, signalled: bool) -> dict[str, Any]:
     only, as a message could carry a target's secrets), ``interrupted`` when a signal stopped the run, else
     ``interrupted`` without blaming a signal (the run itself was cancelled by its caller)."""
     exc = task.exception() if task is not None and task.done() and not task.cancelled() else None
-    if exc is not None:
+    if exc is not None:  # the receipt says "the log has the cause": this is that line (message redacted)
+        from genartifact.host import redact
+
+        log.error("request_failed", index=i, error_type=type(exc).__name__, error=redact(str(exc), 300))
         return {"index": i, **_engine_failed(exc)}
     if signalled:
         return _interrupted_receipt(i)
