@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, generate_latest
 
 from genartifact import config as config_mod
@@ -55,6 +55,11 @@ SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ig
                  "presence_penalty", "frequency_penalty"}
 PARAMS = sorted({*COMMON_KEYS, "prompt", "messages", "token_ids", "sampling_params", "top_logprobs",
                  "max_completion_tokens"} - {"n"}, key=len, reverse=True)
+
+
+class _ClientGone(Exception):
+    """The client hung up before its request body arrived in full."""
+
 
 class BodyTooLarge(GenartifactError):
     """The request body exceeds :data:`MAX_BODY_BYTES` (HTTP 413)."""
@@ -258,6 +263,15 @@ class Server:
                     s["seed"] = (s["seed"] + i) % 2**63
                 spec = _choice_spec(artifact, i, n)
                 preps.append(self.prepare(ids, s, {**body, EXT: spec} if spec is not None else body))
+            seen: dict[tuple[str, str], int] = {}
+            for i, p in enumerate(preps):  # two choices on one object: the second could only fail object_exists
+                v = getattr(p.session, "_validated", None) if p.session is not None else None
+                if v is None:
+                    continue
+                j = seen.setdefault((v.kind, v.object_id), i)
+                if j != i:
+                    raise RequestSpecError(f"generation_artifact.delivery.target: choices {j} and {i} name the same "
+                                           f"object; allowed: a different object per choice")
         except BaseException:
             for p in preps:
                 if p.session is not None:
@@ -274,8 +288,12 @@ class Server:
         artifact = body.get(EXT)
         if artifact is not None and not isinstance(artifact, dict):
             raise RequestSpecError(f"{EXT} must be a JSON object (the artifact request spec)")
-        return self.engine.prepare(ids, sampling, artifact, self.settings,
-                                   routes_start=body.get("routed_experts_prompt_start", 0), journal=self.journal)
+        start = body.get("routed_experts_prompt_start", 0)
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
+            # vLLM's own rule (v1/engine/input_processor.py), with or without an artifact: never silently ignored
+            raise RequestSpecError(f"routed_experts_prompt_start={str(start)[:40]!s} invalid; allowed: an integer "
+                                   f"0..{len(ids)} (the prompt length, inclusive)")
+        return self.engine.prepare(ids, sampling, artifact, self.settings, routes_start=start, journal=self.journal)
 
     # ---------------------------------------------------------------- running
     async def events(self, prep: Any, stream: bool) -> AsyncIterator[Any]:
@@ -409,11 +427,16 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
     app = FastAPI(title="genartifact", lifespan=lifespan)
 
     async def body_of(request: Request) -> dict[str, Any]:
+        from starlette.requests import ClientDisconnect
+
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY_BYTES:
+                    raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
+        except ClientDisconnect:  # hung up mid-body: nothing to answer (was an ASGI traceback per request)
+            raise _ClientGone() from None
         try:
             body = json.loads(bytes(raw), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
         except (ValueError, RecursionError):
@@ -509,6 +532,9 @@ def create_app(engine_factory: Any, cfg: config_mod.Config, model_name: str, dra
                     raise RequestSpecError("stream_options invalid; allowed: an object with booleans include_usage "
                                            "and continuous_usage_stats")
             preps = srv.prepare_choices(ids, sampling, body, n)
+        except _ClientGone:
+            srv.metrics.requests.labels("rejected", "client_disconnected").inc()
+            return Response(status_code=499)  # (nobody reads it: the client is gone)
         except GenartifactError as e:
             return reject(srv, e)
         srv.metrics.requests.labels("admitted", "").inc()
