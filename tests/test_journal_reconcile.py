@@ -105,7 +105,6 @@ def test_a_failed_append_leaves_no_torn_line_and_a_torn_tail_is_cut_off(tmp_path
     """An append that fails or comes up short (ENOSPC) is cut back off; a torn tail left by a writer that died
     mid-line is cut off before the next record, which starts on its own line: the journal stays readable (a
     record glued to a torn line read as "not JSON" and stopped every later reconcile and resume)."""
-    import os
 
     from genartifact import journal as jmod
 
@@ -113,22 +112,22 @@ def test_a_failed_append_leaves_no_torn_line_and_a_torn_tail_is_cut_off(tmp_path
     j = DeliveryJournal(path)
     first = j.intent(kind="k", object_id="o1", ref={}, sha256="a" * 64, byte_count=1)
     before = path.read_bytes()
-    real_write = os.write
+    real_write = jmod._write
 
     def short(fd, data):  # the disk fills mid-record
         return real_write(fd, data[: len(data) // 2])
 
-    monkeypatch.setattr(jmod.os, "write", short)
+    monkeypatch.setattr(jmod, "_write", short)
     with pytest.raises(OSError):
         j.intent(kind="k", object_id="o2", ref={}, sha256="b" * 64, byte_count=1)
 
     def enospc(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(jmod.os, "write", enospc)
+    monkeypatch.setattr(jmod, "_write", enospc)
     with pytest.raises(OSError):
         j.outcome(first, "ready")
-    monkeypatch.setattr(jmod.os, "write", real_write)
+    monkeypatch.setattr(jmod, "_write", real_write)
     assert path.read_bytes() == before  # nothing of either record stayed
     with open(path, "ab") as f:
         f.write(b'{"byte_count":798,"event":"intent","sha256":')  # a writer that died mid-line

@@ -65,7 +65,7 @@ class DeliveryJournal:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # released by close, also when this process dies
                 size = _whole_lines_size(fd)
                 try:
-                    n = os.write(fd, line)
+                    n = _write(fd, line)
                     if n != len(line):
                         raise OSError(28, "short write to the delivery journal")
                     os.fsync(fd)
@@ -129,6 +129,12 @@ class DeliveryJournal:
         """Deliveries that may have left an object nobody was told about: no outcome, ``interrupted``, or
         ``failed`` with an ambiguous code (not in :data:`NOT_STORED_CODES`); oldest first."""
         return [d for d in self.deliveries() if _needs_check(d)]
+
+
+#: ``os.write``, looked up here at call time (the tests' full-disk faults replace this name, not ``os.write`` for
+#: every thread of the process)
+def _write(fd: int, data: bytes) -> int:
+    return os.write(fd, data)
 
 
 def _whole_lines_size(fd: int) -> int:

@@ -113,6 +113,31 @@ def test_local_create_only_atomic_no_temp_left(write_path, tmp_path):
     assert (tmp_path / "runs/a/b.gart").stat().st_mode & 0o777 == 0o666 & ~mask  # readable by a trainer
 
 
+@pytest.mark.fault("managed", "a symbolic link planted in the store")
+def test_local_keys_never_pass_a_link_out_of_the_root(write_path, tmp_path):
+    """Keys are checked lexically; a directory (or, to read, an object) below the root that is a symbolic link
+    would carry a write, read or delete out of the store: refused, nothing written outside."""
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    (store / "runs").mkdir(parents=True)
+    outside.mkdir()
+    (store / "runs/evil").symlink_to(outside, target_is_directory=True)
+    (outside / "secret").write_bytes(b"not the store's")
+    (store / "runs/leak.gart").symlink_to(outside / "secret")
+    t = target(store)
+    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/evil/pwn.gart"})
+    with pytest.raises(TargetError, match="symbolic link"):
+        asyncio.run(t.deliver(v, b"artifact", "x"))
+    assert os.listdir(outside) == ["secret"]
+    for oid in ("disk:runs/evil/secret", "disk:runs/leak.gart"):
+        with pytest.raises(TargetError, match="symbolic link"):
+            asyncio.run(t.open(oid, 100))
+    with pytest.raises(TargetError, match="symbolic link"):
+        asyncio.run(t.delete("disk:runs/leak.gart", "0" * 64))
+    assert (outside / "secret").read_bytes() == b"not the store's"
+    v = t.validate({"kind": "managed_fsspec", "profile": "disk", "object_key": "runs/real/ok.gart"})
+    assert asyncio.run(t.deliver(v, b"artifact", "x")) == "disk:runs/real/ok.gart"  # a real new directory: fine
+
+
 @pytest.mark.fault("managed", "write failing half-way (file://)")
 def test_local_write_failure_leaves_nothing(write_path, tmp_path):
     t = target(tmp_path)

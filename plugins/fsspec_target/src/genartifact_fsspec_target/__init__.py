@@ -57,6 +57,7 @@ import math
 import os
 import pickle
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -276,7 +277,7 @@ class ManagedFsspecTarget:
         try:
             async with asyncio.timeout(prof.timeout_s):
                 if prof.is_local:
-                    dest = Path(prof.url[len("file://"):]) / key
+                    dest = _local_path(prof, key, whole=False)  # (the name itself is create-only: never followed)
                     if len(data) <= LOCAL_BATCH_MAX_BYTES:
                         await _local_writer(prof.url).write(dest, data)
                     else:
@@ -952,8 +953,26 @@ def _write_memory_create_only(prof: Profile, key: str, data: bytes) -> None:
             raise DeliveryError("managed artifact write failed") from None
 
 
-def _local_path(prof: Profile, key: str) -> Path:
-    return Path(prof.url[len("file://"):]) / key
+def _local_path(prof: Profile, key: str, whole: bool = True) -> Path:
+    """The file of ``key`` under ``prof``'s root. Raises :class:`TargetError` when a component of the key below the
+    root is a symbolic link (planted in the store: a write, read or delete must not follow it out of the root; keys
+    are checked lexically at validation): the key's directories, and with ``whole`` the object's own name too
+    (a create-only write never follows the name: an existing entry is ``object_exists``). One ``lstat`` per
+    component (~3 us each), on the caller's thread. A link swapped in between this check and the file's open is not
+    caught: that needs write access to the store. The root itself may be a link."""
+    root = prof.url[len("file://"):]
+    parts = key.split("/")
+    p = root
+    for seg in parts if whole else parts[:-1]:
+        p = f"{p}/{seg}"
+        try:
+            st = os.lstat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            break  # made as a real directory by the write (or not there to read)
+        if stat.S_ISLNK(st.st_mode):
+            raise TargetError("managed_fsspec object key passes a symbolic link in the store; allowed: keys whose "
+                              "directories (and, to read, the object) are no links below the profile root")
+    return Path(root) / key
 
 
 def _read_capped_fileobj(f: Any, size: int | None, max_bytes: int, hasher: Any = None) -> bytes | None:
