@@ -247,6 +247,16 @@ def test_verify_receipts_counts_bad_lines(tmp_path, capsys):
     assert "0/4 receipts verified" in out
 
 
+def test_verify_receipts_cuts_hostile_long_fields(tmp_path, capsys):
+    r = tmp_path / "r.jsonl"
+    r.write_text(json.dumps({"state": "ready", "target": "managed_fsspec", "object_id": "local:runs/" + "k" * 5000,
+                             "sha256": "a" * 64}) + "\n")
+    assert main(["verify", "--receipts", str(r)]) == 1
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).splitlines()
+    assert lines and max(map(len, lines)) < 1400 and any("k..." in x for x in lines), lines
+
+
 def test_verify_receipts_after_resume_the_last_line_of_an_index_wins(tmp_path, capsys):
     """``generate --resume`` appends: an index's earlier receipt is superseded by its later one, not a failure."""
     from genartifact import format as fmt

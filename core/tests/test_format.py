@@ -377,9 +377,10 @@ def test_reader_rejects_nonzero_padding():
         (lambda m: m["sections"]["selected_logprobs"].__setitem__("token_start", 0), "token_start"),
         (lambda m: m.__setitem__("version", [1, 1]), "format/version"),
         (lambda m: m["tensors"].reverse(), "start with token_ids"),
+        (lambda m: m["tensors"][1].update(shape=[0, 2**62, 2**62], byte_count=0), "shape .* larger than the body"),
     ],
     ids=["overlap", "gap", "byte-count", "dtype", "extra-key", "token-count", "expert-range", "router-order",
-         "top-k", "rows", "logprob-start", "version", "order"],
+         "top-k", "rows", "logprob-start", "version", "order", "empty-but-huge-shape"],
 )
 @pytest.mark.fault("reader", "manifest field violations")
 def test_reader_rejects_bad_manifests(mutate, match):

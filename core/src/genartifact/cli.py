@@ -131,9 +131,14 @@ def _shown(ref: str) -> str:
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def _safe(value: Any) -> str:
-    """Text from an untrusted artifact, with control characters escaped (no terminal escape injection)."""
-    return _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+def _safe(value: Any, limit: int = 1100) -> str:
+    """Text from an untrusted artifact or receipt, with control characters escaped (no terminal escape injection),
+    cut to ``limit`` characters (default: room for a target kind and a 1,024-byte object key; a hostile receipt's
+    5,000-character field prints its start and ``...``)."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _summary(art: Any) -> dict[str, Any]:

@@ -800,8 +800,10 @@ def _parse_manifest(body: bytes) -> tuple[dict[str, Any], int]:
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise _fail(f"tensor {r['name']!r} shape {shape!r} invalid")
         expect_bytes = math.prod(shape) * DTYPES[r["dtype"]].itemsize
-        if expect_bytes > len(body):
-            raise _fail(f"tensor {r['name']!r} shape {shape} is larger than the body")
+        # (zero dimensions left out: an empty tensor whose other dimensions no body could hold is refused too;
+        # numpy cannot even shape one)
+        if expect_bytes > len(body) or math.prod(d for d in shape if d) * DTYPES[r["dtype"]].itemsize > len(body):
+            raise _fail(f"tensor {r['name']!r} shape {str(shape)[:120]} is larger than the body")
         if not _is_int(r["byte_count"]) or r["byte_count"] != expect_bytes:
             raise _fail(f"tensor {r['name']!r} byte_count {r['byte_count']!r} != shape x itemsize {expect_bytes}")
         pos = align_up(pos)
