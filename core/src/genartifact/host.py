@@ -44,9 +44,9 @@ from genartifact.errors import (
     TargetError,
     UnknownPluginError,
 )
-from genartifact.format import TensorPart, canonical_json
+from genartifact.format import TensorPart
 from genartifact.hookspecs import ALL_SPECS, PROJECT
-from genartifact.types import ValidatedTarget
+from genartifact.types import ValidatedTarget, content_section_bytes
 
 log = structlog.get_logger("genartifact.host")
 
@@ -203,16 +203,6 @@ async def acall_plugin(info: PluginInfo | None, method: str, fn: Callable[..., A
         raise
     except Exception as e:  # noqa: BLE001 - isolated: attributed to the plugin
         raise fault(info, method, e) from e
-
-
-def content_section_bytes(section: Any) -> int | None:
-    """Bytes a content's manifest ``section`` adds to the decoded artifact (its canonical JSON, as the encoder
-    writes it), or None when it is not JSON-compatible. This plus the content's tensor ``nbytes`` is what
-    ``admit()`` bounds (the one over-admission rule, checked in :meth:`GuardedProducer.finalize`)."""
-    try:
-        return len(canonical_json(section))
-    except ArtifactFormatError:
-        return None
 
 
 def _is_count(v: Any) -> bool:

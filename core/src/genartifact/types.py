@@ -8,7 +8,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from genartifact.format import TensorPart
+from genartifact.errors import ArtifactFormatError
+from genartifact.format import TensorPart, canonical_json
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class ContentProducer(Protocol):
 
     def admit(self, ctx: AdmissionContext) -> int:
         """Return the worst-case decoded bytes of this content's tensors (``sum(nbytes)``) plus its manifest
-        section (canonical JSON bytes, :func:`genartifact.host.content_section_bytes`). ``finalize`` is held to
+        section (canonical JSON bytes, :func:`content_section_bytes`). ``finalize`` is held to
         exactly this sum by the host (a breach is a plugin fault, ``internal_error``). Raise
         :class:`~genartifact.errors.AdmissionError` if the engine cannot produce it."""
 
@@ -205,3 +206,14 @@ class StorageTarget(Protocol):
         hashing while streaming and never reading more than the target's ``max_bytes`` (a larger object is not
         ours and is kept). Returns True if deleted, False if absent or different. Raises
         :class:`~genartifact.errors.TargetNotReadableError` when the kind cannot delete."""
+
+
+def content_section_bytes(section: Any) -> int | None:
+    """Bytes a content's manifest ``section`` adds to the decoded artifact (its canonical JSON, as the encoder
+    writes it), or None when it is not JSON-compatible. This plus the content's tensor ``nbytes`` is what
+    ``admit()`` bounds (the one over-admission rule, checked by the host's guarded producer at ``finalize``).
+    Public for plugin authors (also importable as ``genartifact.host.content_section_bytes``)."""
+    try:
+        return len(canonical_json(section))
+    except ArtifactFormatError:
+        return None
