@@ -79,8 +79,12 @@ def test_journal_on_full_disk_refuses_the_upload_and_says_so(full_fs, tmp_path):
     settings = {"managed_fsspec": {"profiles": {"p": {"url": f"file://{store}", "allowed_prefixes": ["runs/"]}}}}
     _fill(full_fs)
     r = asyncio.run(_session(settings, DeliveryJournal(full_fs / "journal.jsonl")).finalize())
-    assert r["state"] == "failed" and r["error_code"] == "internal_error"
+    # a storage failure, not internal_error (which says a plugin broke its contract)
+    assert r["state"] == "failed" and r["error_code"] == "delivery_failed"
     assert not store.exists() or not list(store.rglob("*.gart"))  # no intent -> no upload
+    j = full_fs / "journal.jsonl"  # nothing torn left behind: the short append was cut back off
+    assert not j.exists() or j.read_bytes() == b"" or j.read_bytes().endswith(b"\n")
+    assert DeliveryJournal(j).deliveries() == []
 
 
 @pytest.mark.fault("disk", "receipts disk full (tmpfs)")
