@@ -31,6 +31,9 @@ def test_requests_of_a_dead_engine_say_engine_failed_not_signal(tmp_path, monkey
     # each engine_failed receipt says "the log has the cause": the row's line is there, naming the exception
     assert any(e["event"] == "request_failed" and e["index"] == 0 and e["error_type"] == "EngineDeadError"
                for e in logs), logs
+    # a rejected row is on the console too, not only in receipts.jsonl
+    assert any(e["event"] == "generate_row_rejected" and e["index"] == 2 and e["error_code"] == "request_invalid"
+               for e in logs), logs
     assert stop == {}  # no signal was involved
     keys = [(r["index"], r.get("sample")) for r in receipts]
     assert keys == [(0, None), (1, 0), (1, 1), (1, 2), (2, None)]

@@ -163,6 +163,8 @@ def test_generate_preflight_errors_exit_2_fast(tmp_path, capsys, monkeypatch):
         (("--run-id", "../../escape"), "--run-id '../../escape' invalid"),
         (("--out", str(tmp_path)), "already exists"),
         (("--target", '{"kind": '), "--target is not valid JSON"),
+        (("--target", "managed_fsspec:nosuch"), "--target is refused by its target: managed_fsspec target.profile "
+                                                "'nosuch' unknown; configured: ['local']"),
         (("--contents", "moe_route"), "did you mean 'moe_routes'"),  # a typo fails before any receipt
         (("--max-inflight", "0"), "--max-inflight 0 invalid"),  # was ignored without --replicas
         (("--max-inflight", "-1"), "--max-inflight -1 invalid"),

@@ -253,7 +253,7 @@ def test_unknown_content_fails_fast_with_suggestion(host):
 def test_unknown_target_kind(host):
     s = spec()
     s["delivery"]["target"] = {"kind": "ftp_upload"}
-    with pytest.raises(UnknownPluginError, match="unknown target 'ftp_upload'.*installed: managed_fsspec"):
+    with pytest.raises(UnknownPluginError, match="unknown target 'ftp_upload'.*enabled: managed_fsspec"):
         session(host, s)
     s["delivery"]["target"] = {"kind": "presigned_http_put"}
     with pytest.raises(UnknownPluginError, match="installed .*but not enabled; add it to \\[plugins\\].targets"):

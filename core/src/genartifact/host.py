@@ -122,11 +122,12 @@ def discover(kind: str, source: EntryPointSource = _default_source) -> dict[str,
     return found
 
 
-def unknown_plugin_message(kind: str, name: str, installed: Mapping[str, PluginInfo], where: str) -> str:
-    """The error text for an unknown plugin name: kind, name, where it was named, what is installed,
-    and the closest installed name."""
+def unknown_plugin_message(kind: str, name: str, installed: Mapping[str, PluginInfo], where: str,
+                           listed: str = "installed") -> str:
+    """The error text for an unknown plugin name: kind, name, where it was named, the plugins ``installed`` (or, with
+    ``listed="enabled"``, the enabled ones it may name), and the closest of their names."""
     listing = ", ".join(i.label() for i in sorted(installed.values(), key=lambda i: i.name)) or "none"
-    msg = f"unknown {_SINGULAR[kind]} '{name}' in {where}; installed: {listing}"
+    msg = f"unknown {_SINGULAR[kind]} '{name}' in {where}; {listed}: {listing}"
     close = difflib.get_close_matches(normalize(name), list(installed), n=1, cutoff=0.5)
     if close:
         msg += f"; did you mean '{close[0]}'?"
@@ -718,7 +719,8 @@ class PluginHost:
                 f"add it to [plugins].{kind} in the config; enabled: {[p.name for p in self.enabled[kind]]}"
             )
         enabled = {p.name: p for p in self.enabled[kind]}
-        raise UnknownPluginError(unknown_plugin_message(kind, name, enabled or installed, where))
+        raise UnknownPluginError(unknown_plugin_message(kind, name, enabled or installed, where,
+                                                        "enabled" if enabled else "installed"))
 
     def pipeline(self, small: bool = False) -> asyncio.Semaphore:
         """The encode+deliver semaphore of the running event loop (one per loop and lane).

@@ -41,7 +41,7 @@ from typing import Any
 import structlog
 
 from genartifact import config as config_mod
-from genartifact.errors import ConfigError, GenartifactError, PluginFault, RequestSpecError
+from genartifact.errors import ConfigError, GenartifactError, PluginFault, RequestSpecError, TargetError
 from genartifact.host import PluginHost
 from genartifact.limits import max_decoded_bytes, pipeline_concurrency, small_pipeline_concurrency
 from genartifact.spec import parse_request
@@ -760,6 +760,9 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
 
     def emit(i: int | tuple[int, int], r: dict[str, Any]) -> None:
         receipts[i] = r
+        if r.get("state") == "rejected":  # on the console too, not only in receipts.jsonl (its text is the receipt's)
+            log.warning("generate_row_rejected", index=r.get("index"), error_code=r.get("error_code"),
+                        error=str(r.get("error", ""))[:300])
         if writer is not None:
             writer.write(r)
 
@@ -924,9 +927,15 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     host = cfg.host()
     for c in contents:  # a typo in --contents fails now, not as one rejected receipt per row
         host.require("contents", c, "--contents")
-    check_target_tables(cfg, host)  # plugin and target settings fail now
+    built = check_target_tables(cfg, host)  # plugin and target settings fail now
     args.target = default_target(args.target, host)
-    target_for(args.target, run_id, 0, host)  # and a malformed --target
+    first = target_for(args.target, run_id, 0, host)  # and a malformed --target
+    target = built.get(first.get("kind")) if isinstance(first.get("kind"), str) else None
+    if target is not None and not isinstance(target, PluginFault):
+        try:  # one the target refuses (an unknown profile...) fails now, not as one rejected receipt per row
+            target.validate(first)
+        except TargetError as e:  # (a target's errors carry no secrets: never the grant's URL or headers)
+            raise RequestSpecError(f"--target is refused by its target: {e}") from None
     replicas = getattr(args, "replicas", None)
     from genartifact.engine.replicas import check_replica_args
 
