@@ -65,6 +65,18 @@ MANIFEST_BYTES_PER_ROUTER = 24
 TOKEN_BYTES = 4  # token ids are stored as uint32
 
 
+def check_routes_start(routes_start: Any, prompt_token_count: int) -> None:
+    """vLLM's rule for ``routed_experts_prompt_start`` (``v1/engine/input_processor.py``): an integer
+    ``0 <= start <= prompt length`` (tokens), else the request is refused, never silently clamped or ignored.
+    Raises :class:`~genartifact.errors.AdmissionError` naming the field and the allowed values."""
+    allowed = f"allowed: an integer 0..{prompt_token_count} (the prompt length, inclusive, as vLLM requires)"
+    if isinstance(routes_start, bool) or not isinstance(routes_start, int) or routes_start < 0:
+        raise AdmissionError(f"routed_experts_prompt_start must be a non-negative integer; got "
+                             f"{str(routes_start)[:40]}; {allowed}")
+    if routes_start > prompt_token_count:
+        raise AdmissionError(f"routed_experts_prompt_start={str(routes_start)[:40]} is beyond the prompt; {allowed}")
+
+
 def failed_receipt(req: ArtifactRequest, code: str) -> dict[str, Any]:
     """Receipt for a failed artifact: stable code and generic message, no provider detail. ``target`` is the
     request's target kind (docs/receipts.md)."""
@@ -171,13 +183,7 @@ class ArtifactSession:
         for name, v in (("prompt_token_count", prompt_token_count), ("max_tokens", max_tokens)):
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "max_tokens" else 0):
                 raise AdmissionError(f"{name} must be an integer >= {1 if name == 'max_tokens' else 0}; got {v!r}")
-        if isinstance(routes_start, bool) or not isinstance(routes_start, int) or routes_start < 0:
-            raise AdmissionError(f"routed_experts_prompt_start must be a non-negative integer; got {routes_start!r}")
-        if routes_start > prompt_token_count:
-            # vLLM's own rule (v1/engine/input_processor.py): 0 <= routed_experts_prompt_start <= prompt length,
-            # else the request is refused; never silently clamped
-            raise AdmissionError(f"routed_experts_prompt_start={routes_start} is beyond the prompt; allowed: 0.."
-                                 f"{prompt_token_count} (the prompt length, inclusive, as vLLM requires)")
+        check_routes_start(routes_start, prompt_token_count)
         sampling = dict(sampling or {})
         for k, v in sampling.items():
             if isinstance(v, float) and not math.isfinite(v):

@@ -37,12 +37,12 @@ class ArtifactRequest:
         return str(self.target["kind"])
 
 
-
 def _short(value: Any, limit: int = 80) -> str:
     """``repr(value)`` as an error message shows it: at most ``limit`` characters (a request's own 200 KB string
     comes back as its first 80 and ``...``)."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
 
 def _keys(obj: Any, allowed: set[str], required: set[str], where: str) -> Mapping[str, Any]:
     if not isinstance(obj, Mapping):

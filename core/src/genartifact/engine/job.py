@@ -42,7 +42,7 @@ import structlog
 
 from genartifact import config as config_mod
 from genartifact.errors import ConfigError, GenartifactError, PluginFault, RequestSpecError, TargetError
-from genartifact.host import PluginHost
+from genartifact.host import PluginHost, redact
 from genartifact.limits import max_decoded_bytes, pipeline_concurrency, small_pipeline_concurrency
 from genartifact.spec import parse_request
 
@@ -158,8 +158,6 @@ def _shown(key: str, value: Any) -> str:
     """A row value as an error message may show it: a ``target`` by its JSON type only (a presigned grant's URL and
     signed headers are secrets, whatever shape the row gave them), anything else as JSON with URL queries and
     secret-named values redacted (:func:`genartifact.host.redact`), cut to 80 characters."""
-    from genartifact.host import redact
-
     if key == "target":
         kind = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value))
         return f"<a JSON {kind or 'number'}, not shown>"
@@ -478,8 +476,6 @@ def _unfinished_receipt(i: int, task: Any, signalled: bool) -> dict[str, Any]:
     ``interrupted`` without blaming a signal (the run itself was cancelled by its caller)."""
     exc = task.exception() if task is not None and task.done() and not task.cancelled() else None
     if exc is not None:  # the receipt says "the log has the cause": this is that line (message redacted)
-        from genartifact.host import redact
-
         log.error("request_failed", index=i, error_type=type(exc).__name__, error=redact(str(exc), 300))
         return {"index": i, **_engine_failed(exc)}
     if signalled:

@@ -288,12 +288,8 @@ class Server:
         artifact = body.get(EXT)
         if artifact is not None and not isinstance(artifact, dict):
             raise RequestSpecError(f"{EXT} must be a JSON object (the artifact request spec)")
-        start = body.get("routed_experts_prompt_start", 0)
-        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
-            # vLLM's own rule (v1/engine/input_processor.py), with or without an artifact: never silently ignored
-            raise RequestSpecError(f"routed_experts_prompt_start={str(start)[:40]!s} invalid; allowed: an integer "
-                                   f"0..{len(ids)} (the prompt length, inclusive)")
-        return self.engine.prepare(ids, sampling, artifact, self.settings, routes_start=start, journal=self.journal)
+        return self.engine.prepare(ids, sampling, artifact, self.settings,
+                                   routes_start=body.get("routed_experts_prompt_start", 0), journal=self.journal)
 
     # ---------------------------------------------------------------- running
     async def events(self, prep: Any, stream: bool) -> AsyncIterator[Any]:

@@ -28,7 +28,7 @@ import structlog
 from genartifact.engine.worker_ext import QUALNAME, RPC, Handover, init_config, step_end_mode
 from genartifact.errors import EngineStartError, RequestSpecError
 from genartifact.host import PluginHost
-from genartifact.session import ArtifactSession
+from genartifact.session import ArtifactSession, check_routes_start
 from genartifact.spec import parse_request
 from genartifact.types import Delta, ModelInfo
 
@@ -418,8 +418,10 @@ class VllmEngine:
             session.admit(len(prompt_token_ids), sampling.get("max_tokens", 16),
                           routes_start=routes_start, sampling=sampling)
             session.sampling_overrides(sampling)
-        elif n != 1:
-            raise RequestSpecError(f"n={n!r} unsupported; allowed: 1")
+        else:  # (with an artifact, its admission checks the start)
+            check_routes_start(routes_start, len(prompt_token_ids))
+            if n != 1:
+                raise RequestSpecError(f"n={n!r} unsupported; allowed: 1")
         return Prepared(list(prompt_token_ids), sampling, session)
 
     async def execute(self, prep: Prepared, stream: bool = True,

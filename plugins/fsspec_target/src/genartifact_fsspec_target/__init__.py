@@ -1048,9 +1048,8 @@ def _local_leftovers(prof: Profile, older_than_s: float) -> list[dict[str, Any]]
                 if age >= older_than_s:
                     # the object id the file would have: an object stored under a temp-like key before such keys
                     # were refused is one that reconcile finds vouched for and keeps
-                    oid = f"{prof.name}:{p.relative_to(root).as_posix()}" if p.is_relative_to(root) else None
                     out.append({"profile": prof.name, "path": str(p), "age_s": round(age, 1), "bytes": st.st_size,
-                                "object_id": oid})
+                                "object_id": f"{prof.name}:{p.relative_to(root).as_posix()}"})
     return out
 
 
