@@ -149,7 +149,7 @@ class Worker:
         self.routes = RouteCapture.__new__(RouteCapture)  # (its __init__ binds vLLM's routers: none here)
         self.routes.recorder = RouteRecorder(router_ids=tuple(range(req.routers)), top_k=req.top_k, dtype=req.dtype,
                                              max_positions=req.forwarded + 1)
-        self.routes.step, self.routes.step_ready = None, False
+        self.routes.step, self.routes._kept = None, []
         self.logprobs = LogprobCapture.__new__(LogprobCapture)  # (its __init__ wraps vLLM's sampler)
         self.logprobs.store, self.logprobs.step, self.logprobs._sampled = {}, None, None
         caps = [self.routes, self.logprobs]

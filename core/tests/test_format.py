@@ -229,6 +229,23 @@ def _logprobs_only(token_ids: np.ndarray) -> fmt.ArtifactInput:
     return inp
 
 
+@pytest.mark.parametrize("dtype,value,ok", [
+    ("<u4", 2**32 - 1, True), ("<u2", 2**16 - 1, True), ("<i8", 2**32 - 1, True), ("<u8", 2**32 - 1, True),
+    ("<i8", -1, False), ("<i4", -1, False), ("<i8", 2**32, False), ("<u8", 2**32, False),
+])
+def test_token_ids_of_any_integer_dtype_are_range_checked(dtype, value, ok):
+    """Token ids are stored as uint32: a wider or signed array is refused when a value does not fit (an unsigned
+    array of at most 4 bytes per id is not scanned: it cannot hold one)."""
+    tokens = np.arange(8, dtype=dtype)
+    tokens[3] = value
+    inp = _logprobs_only(tokens)
+    if ok:
+        assert fmt.decode(fmt.encode(inp).data).token_ids[3] == value
+    else:
+        with pytest.raises(fmt.ArtifactFormatError, match="token_ids out of range"):
+            fmt.encode(inp)
+
+
 @pytest.mark.parametrize("tokens", [200_000, 2_000_000])  # one zstd job, and several (multi-threaded frame)
 def test_encoded_bound_holds_for_incompressible_data(tokens):
     rng = np.random.default_rng(0)

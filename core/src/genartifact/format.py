@@ -171,7 +171,9 @@ def build_manifest(inp: ArtifactInput) -> tuple[dict[str, Any], list[TensorPart]
     tok = np.asarray(inp.token_ids)
     if tok.ndim != 1 or tok.dtype.kind not in "iu":
         raise ArtifactFormatError("token_ids must be a 1-D integer array")
-    if tok.size and (int(tok.min()) < 0 or int(tok.max()) > 0xFFFFFFFF):
+    # (an unsigned dtype of at most 4 bytes, as every session's uint32 buffer, cannot hold an id out of range)
+    if tok.size and not (tok.dtype.kind == "u" and tok.dtype.itemsize <= 4) and (
+            int(tok.min()) < 0 or int(tok.max()) > 0xFFFFFFFF):
         raise ArtifactFormatError("token_ids out of range: allowed 0..2**32-1")
     if not 0 <= inp.prompt_token_count <= tok.size:
         raise ArtifactFormatError(

@@ -301,12 +301,15 @@ def test_router_calls_after_a_step_closed_are_ignored_until_its_deferred_end_ste
     assert out["missing"] is None
 
 
-def test_a_fault_in_the_router_callback_fails_the_step_never_the_forward():
-    """The router callback runs inside vLLM's forward: a fault there (here: the recorder) is caught by
-    ``WorkerStep.guard``, recorded for this content (the runtime fails its flagged requests of the step), and the
-    step's later router calls are skipped; nothing raises into the forward."""
+def test_the_router_callback_only_keeps_rows_and_a_recorder_fault_comes_out_of_end_step():
+    """The router callback runs inside vLLM's forward: it only keeps the layer's rows (nothing there can fail, and
+    nothing of the recorder runs on the engine's critical path). The recorder works in ``end_step``, where a fault
+    raises to the runtime, which fails the step's flagged requests of this content (pinned for any ``end_step`` by
+    ``tests/test_worker_runtime.py::test_a_failing_deferred_end_step_fails_its_requests_never_the_workers_loop``);
+    the next step records again."""
     from types import SimpleNamespace as NS
 
+    import pytest
     import torch
     from genartifact.engine.worker_ext import WorkerStep
     from genartifact_route_capture.recorder import RouteRecorder
@@ -315,16 +318,32 @@ def test_a_fault_in_the_router_callback_fails_the_step_never_the_forward():
     cap = object.__new__(RouteCapture)
     cap.recorder = RouteRecorder(router_ids=[0, 1], top_k=2, dtype=np.dtype("<u1"), max_positions=64)
     calls = []
+    real = cap.recorder.on_layer
 
     def broken(layer_id, rows):
         calls.append(layer_id)
         raise ValueError("recorder broke")
 
     cap.recorder.on_layer = broken
-    cap.worker = NS(model_runner=NS(input_batch=NS(num_reqs=1, req_ids=["a"], num_computed_tokens_cpu=np.array([3]))))
-    cap.step, cap.step_ready = None, False
+    ib = NS(num_reqs=1, req_ids=["a"], num_computed_tokens_cpu=np.array([3]))
+    cap.worker = NS(model_runner=NS(input_batch=ib))
+    cap.step, cap._kept = None, []
     step = WorkerStep(NS(num_scheduled_tokens={"a": 1}), {"moe_routes": {"a": "ca"}}, 1)
     cap.begin_step(step)
     assert cap.capture(0, torch.tensor([[1, 2]])) is None
     assert cap.capture(1, torch.tensor([[3, 4]])) is None
-    assert calls == [0] and "ValueError: recorder broke" in step.faults["moe_routes"]
+    assert calls == [] and not step.faults  # nothing of the recorder ran inside the forward
+    step.closed = True
+    with pytest.raises(ValueError, match="recorder broke"):
+        cap.end_step(step)
+    assert cap.step is None and cap._kept == []  # nothing of the failed step is kept for the next one
+    cap.recorder.on_layer = real
+    ib.num_computed_tokens_cpu = np.array([4])
+    step2 = WorkerStep(NS(num_scheduled_tokens={"a": 1}), {"moe_routes": {"a": "ca"}}, 2)
+    cap.begin_step(step2)
+    cap.capture(0, torch.tensor([[5, 6]]))
+    cap.capture(1, torch.tensor([[7, 0]]))
+    step2.closed = True
+    cap.end_step(step2)
+    out = cap.pop("ca", [4, 5])
+    assert np.frombuffer(out["data"], np.uint8).reshape(out["shape"]).tolist() == [[[5, 6]], [[7, 0]]]

@@ -3,12 +3,15 @@
 A :class:`~genartifact.engine.worker_ext.WorkerCapture` run by genartifact's worker runtime on the capturing
 rank (TP rank 0) of each engine. It binds every MoE router's capture callback (``BaseRouter.set_capture_fn``:
 the hook vLLM's own ``bind_routed_experts_capturer`` uses). For steps with a flagged request (the runtime's
-step hook; flag = ``SamplingParams.extra_args["genartifact_capture_id"]``) it learns the batch layout —
-request order ``input_batch.req_ids``, start position ``input_batch.num_computed_tokens_cpu`` and token count
-``scheduler_output.num_scheduled_tokens`` — lazily on the step's first router call, after the runner has applied
-the step's state updates, keeps each layer's ``topk_ids`` by reference during the forward, and at the step's end stacks them once and
-scatters the rows to the flagged requests by absolute position
-(:class:`~genartifact_route_capture.recorder.RouteRecorder`).
+step hook; flag = ``SamplingParams.extra_args["genartifact_capture_id"]``) each router call only keeps the layer's
+``topk_ids`` by reference (one list append inside vLLM's forward: nothing there can fail, so nothing is guarded).
+At the step's end — deferred by the runtime until the step's output has gone back to the engine, so off the
+engine's critical path — it reads the batch layout (request order ``input_batch.req_ids``, start position
+``input_batch.num_computed_tokens_cpu`` and token count ``scheduler_output.num_scheduled_tokens``: the runner
+applies a step's state updates before its forward and changes them again only at the next step's entry, which
+settles this end first), stacks the layers once and scatters the rows to the flagged requests by absolute
+position (:class:`~genartifact_route_capture.recorder.RouteRecorder`). A fault there fails the step's flagged
+requests of this content (the runtime's ``end_step`` isolation), never the forward.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class RecordingCapture(WorkerCapture):
         self.recorder = RouteRecorder(router_ids=lay.router_ids, top_k=lay.top_k, dtype=self.row_dtype(lay),
                                       max_positions=int(vcfg.model_config.max_model_len))
         self.step: WorkerStep | None = None
-        self.step_ready = False
+        #: ``(layer id, topk_ids)`` of the step's router calls, in call order, kept by reference for ``end_step``
+        self._kept: list[tuple[int, Any]] = []
         self.install(runners)
 
     def row_dtype(self, lay: Any) -> np.dtype[Any]:
@@ -71,40 +75,40 @@ class RecordingCapture(WorkerCapture):
 
     # step hook
     def begin_step(self, step: WorkerStep) -> None:
-        self.step, self.step_ready = step, False
+        self.step, self._kept = step, []
 
     def end_step(self, step: WorkerStep) -> None:
-        if self.step_ready:
-            self.recorder.end_step()
-        self.step, self.step_ready = None, False
+        """Record the step's kept router rows (see the module): the batch layout, then each layer's rows, then the
+        scatter. Runs for a failed step too (what its routers produced is recorded, the rest stays unfilled)."""
+        kept, self._kept, self.step = self._kept, [], None
+        if not kept:  # no router ran (a step that failed before its forward)
+            return
+        rec = self.recorder
+        rec.begin_step(self._segments(step))
+        if not rec.recording:  # no flagged request scheduled in this step
+            return
+        for layer_id, rows in kept:
+            rec.on_layer(layer_id, rows)
+        rec.end_step()
 
-    def _begin(self) -> None:
-        mr, so = self.worker.model_runner, self.step.scheduler_output  # type: ignore[union-attr]
-        ib = mr.input_batch
-        sched = so.num_scheduled_tokens
+    def _segments(self, step: WorkerStep) -> list[tuple[str | None, int, int]]:
+        """The step's batch as ``(capture id | None, start position, tokens)`` per request in batch order."""
+        ib = self.worker.model_runner.input_batch
+        sched = step.scheduler_output.num_scheduled_tokens
         k = ib.num_reqs
         computed = ib.num_computed_tokens_cpu[:k].tolist()  # one conversion, not a numpy scalar per request
-        flagged = self.step.flagged.get(self.name, {})  # type: ignore[union-attr]
-        segs = [(flagged.get(rid), int(computed[i]), int(sched.get(rid, 0))) for i, rid in enumerate(ib.req_ids[:k])]
-        self.recorder.begin_step(segs)
-        self.step_ready = True
+        flagged = step.flagged.get(self.name, {})
+        return [(flagged.get(rid), int(computed[i]), int(sched.get(rid, 0))) for i, rid in enumerate(ib.req_ids[:k])]
 
     def capture(self, layer_id: int, rows: Any) -> None:
-        """Router callback: ``rows`` ``[tokens_in_step, top_k]`` (a torch tensor) of MoE layer ``layer_id``."""
+        """Router callback: ``rows`` ``[tokens_in_step, top_k]`` (a torch tensor) of MoE layer ``layer_id``, kept by
+        reference until :meth:`end_step` (the router does not write into it after the call: see the recorder)."""
         step = self.step
         # no flagged request this step, or a profile/dummy run outside execute_model (also between a step's end and
         # its deferred end_step: step.closed)
         if step is None or step.closed:
             return
-        # inside vLLM's forward: a fault here fails this step's flagged requests of this content, never the forward
-        step.guard(self.name, self._on_layer, layer_id, rows)
-
-    def _on_layer(self, layer_id: int, rows: Any) -> None:
-        if not self.step_ready:
-            self._begin()
-        if not self.recorder.recording:  # no flagged request scheduled in this step
-            return
-        self.recorder.on_layer(layer_id, rows)
+        self._kept.append((layer_id, rows))
 
     # capture-id verbs
     def pop(self, capture_id: str, args: Sequence[Any]) -> Any | None:
