@@ -469,3 +469,96 @@ def test_content_suite_catches_recording_past_max_tokens(tmp_path):
     p = run_suite(tmp_path, UNBOUNDED_SUITE.format(here=str(Path(__file__).parent)), "-k", "past_max_tokens")
     out = p.stdout + p.stderr
     assert p.returncode == 1 and "retained_bytes" in out, out
+
+
+# ------------------------------------------------------------------------------------------ worker contents
+WORKER_SUITE = '''
+import os, sys
+sys.path.insert(0, {here!r})
+from test_plugin_contract import Echo, EchoReader
+from genartifact.testing import FakeEngine, make_host, hookimpl
+from genartifact.testing.conformance import ContentConformance
+
+KEY = "echo_capture_id"
+
+class Worker(Echo):
+    """echo, its capture id handed to the workers and its rows discarded when not fetched (a correct worker
+    content); the variants below each break one rule."""
+    cid = None
+    fetched = False
+    def sampling_overrides(self, params):
+        self.cid = self.new_id()
+        extra = dict(params.get("extra_args") or {{}})
+        extra[KEY] = self.cid
+        params["extra_args"] = self.extra(extra, params)
+    def new_id(self):
+        return os.urandom(16).hex()
+    def on_delta(self, delta):  # bounded: never more than the admitted tokens
+        self.vals.extend(delta.new_token_ids[: max(0, self.max - len(self.vals))])
+    def extra(self, extra, params):
+        return extra
+    async def collect(self, final):
+        self.fetched = True
+    async def discard(self, engine):
+        if self.cid is not None and not self.fetched and engine is not None:
+            await engine.worker_call("echo.discard", self.cid)
+
+class Replaces(Worker):
+    def extra(self, extra, params):
+        return {{KEY: extra[KEY]}}
+
+class OneId(Worker):
+    def new_id(self):
+        return "same-for-all"
+
+class BadId(Worker):
+    def new_id(self):
+        return "has space/and.dot"
+
+class NoDiscard(Worker):
+    async def discard(self, engine):
+        return None
+
+def plugin(cls):
+    class P:
+        @hookimpl
+        def genartifact_content_producer(self, name, model):
+            return cls(name) if name == "echo" else None
+        @hookimpl
+        def genartifact_content_reader(self, name):
+            return EchoReader()
+    return P()
+
+class Base(ContentConformance):
+    content = "echo"
+    capture_key = KEY
+    cls = Worker
+    def make_host(self):
+        return make_host(contents={{"echo": plugin(self.cls)}})
+    def engine(self, prompt, completion):
+        return FakeEngine({{"echo.discard": lambda cid: True}})
+
+class Test{name}(Base):
+    cls = {name}
+'''
+
+
+@pytest.mark.parametrize("name, failing", [
+    ("Worker", None),
+    ("Replaces", "test_extra_args_of_others_are_kept"),
+    ("OneId", "test_capture_id_is_per_request_and_one_the_workers_accept"),
+    ("BadId", "test_capture_id_is_per_request_and_one_the_workers_accept"),
+    ("NoDiscard", "test_a_request_ending_unfetched_discards_its_worker_rows"),
+])
+def test_worker_content_rules_catch_each_broken_variant(tmp_path, name, failing):
+    """A worker content must add its capture id to ``extra_args`` (never replace the dict), use a new id of the form
+    workers accept per request, and discard rows it did not fetch: each variant that breaks one rule fails exactly
+    that test of the suite; the correct one passes every test."""
+    p = run_suite(tmp_path, WORKER_SUITE.format(here=str(Path(__file__).parent), name=name))
+    out = p.stdout + p.stderr
+    if failing is None:
+        assert p.returncode == 0, out[-3000:]
+    else:
+        assert p.returncode == 1, out[-3000:]
+        failed = [ln for ln in out.splitlines() if ln.startswith("FAILED")]
+        assert len(failed) == 1 and failing in failed[0], failed

@@ -102,8 +102,10 @@ class ProbeSpecs:
 
     @hookspec
     def genartifact_collect_provenance(self, context: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """Return one provenance block (JSON-compatible) for the run described by ``context``, or None.
-        Implementations must be fail-soft: the host records an exception instead of failing the run."""
+        """Return one provenance block for the run described by ``context``, or None: ``{"name": <this probe's
+        entry-point name>, "data": <JSON-compatible value, or an awaitable of one>}``. ``genartifact bench run``
+        passes ``{"engine": <the started VllmEngine>}``, awaits ``data`` under a timeout and records a wrong answer or
+        an exception as this probe's error instead of failing the run (docs/fpm.md, "Provenance")."""
 
 
 class CommandSpecs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -10,6 +11,33 @@ import uuid
 import pytest
 
 pytestmark = pytest.mark.engine
+
+ACME_PROBES = """
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("genartifact")
+
+
+class HostNote:
+    @hookimpl
+    def genartifact_collect_provenance(self, context):
+        engine = context["engine"]
+
+        async def ask():
+            replies = await engine.worker_call("fpm.probe")  # the built-in worker probe's verb: one per worker
+            return {"model_type": engine.model_info.hf_config["model_type"], "workers": len(replies)}
+
+        return {"name": "host_note", "data": ask()}
+
+
+class BadNote:
+    @hookimpl
+    def genartifact_collect_provenance(self, context):
+        return {"note": "no name, no data"}
+
+
+host_note, bad_note = HostNote(), BadNote()
+"""
 
 
 def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
@@ -21,10 +49,23 @@ def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
                                              # 8 × 511 prompt tokens need >= 4 admission passes of 1024 tokens
                                              {"phase": "decode", "batch": 8, "context": 512}]}))
     run_id = uuid.uuid4().hex
-    procs = [subprocess.Popen([sys.executable, "-m", "genartifact.cli", "bench", "run", "--model", str(model_path),
+    # a third-party distribution with two probes, enabled by the config: one good, one answering wrongly
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "acme_probes.py").write_text(ACME_PROBES)
+    di = site / "acme_probes-2.0.dist-info"
+    di.mkdir()
+    (di / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-probes\nVersion: 2.0\n")
+    (di / "entry_points.txt").write_text("[genartifact.probes]\nhost_note = acme_probes:host_note\n"
+                                         "bad_note = acme_probes:bad_note\n")
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text('[plugins]\nprobes = ["host_note", "bad_note"]\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-m", "genartifact.cli", "--config", str(cfg), "bench", "run",
+                               "--model", str(model_path),
                                "--points", str(points), "--out", str(tmp_path), "--dp-rank", str(r), "--dp-size", "2",
                                "--run-id", run_id, "--port-base", str(base), "--repeats", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for r in (0, 1)]
     for p in procs:
         out = p.communicate(timeout=600)[0].decode()
         assert p.returncode == 0, out[-3000:]
@@ -32,6 +73,10 @@ def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
     for r, d in enumerate(ranks):
         assert d["dp"] == {"rank": r, "size": 2} and d["coverage"]["completed_points"] == 4, d["coverage"]
         assert d["capture_errors"] == {} and d["stream"]["gaps"] == 0
+        # the config's probes ran on the started engine; the wrong one is its own error, nothing else's
+        assert d["provenance"] == {"host_note": {"model_type": "qwen3_moe", "workers": 1}}, d["provenance"]
+        assert "expected None or {'name': 'bad_note'" in d["provenance_errors"]["bad_note"]
+        assert d["engine"]["versions"]["distributions"]["acme-probes"] == "2.0"
         assert all(x["dp_rank"] == r for x in d["points"])
         assert d["engine"]["worker_probe"]["responses"][0]["attention_backends"]
         kinds = [e["kind"] for e in d["warmup_evidence"]]
@@ -56,6 +101,8 @@ def test_two_ranks_run_merge_report(tmp_path, tiny_model, free_port):
     m = json.loads(merged.read_text())
     assert m["dp"]["source_ranks"] == [0, 1] and len(m["points"]) == 8
     assert (tmp_path / m["worker_probe_path"]).exists()
+    assert m["provenance"] == {r: {"host_note": {"model_type": "qwen3_moe", "workers": 1}} for r in ("0", "1")}
+    assert set(m["provenance_errors"]) == {"0", "1"}
     model = tmp_path / "model.json"
     proc = subprocess.run([sys.executable, "-m", "genartifact.cli", "bench", "fit", str(merged), "--out", str(model)],
                           capture_output=True, text=True)

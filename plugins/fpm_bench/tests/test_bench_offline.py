@@ -230,3 +230,113 @@ def test_taken_fpm_port_is_one_error_line_before_the_engine(tmp_path, capsys):
     assert rc == 2
     assert len(err) == 1 and err[0].startswith(f"error: FPM port 127.0.0.1:{port} is already in use"), err
     assert "--port-base" in err[0]
+
+
+def test_an_unknown_config_probe_is_one_error_line_before_the_engine(tmp_path, capsys, free_port):
+    """A probe the config enables but no distribution provides fails fast, naming it, before any engine start (the
+    model directory does not exist: reaching the engine would fail differently)."""
+    from genartifact.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[plugins]\nprobes = ["no_such_probe"]\n')
+    rc = main(["--config", str(cfg), "bench", "run", "--model", str(tmp_path / "no-model"), "--out",
+               str(tmp_path / "out"), "--port-base", str(free_port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "no_such_probe" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_probes_are_the_builtins_then_the_configs_own():
+    from genartifact_fpm_bench.run import PROBES, bench_probes
+
+    assert bench_probes() == PROBES
+    assert bench_probes(["host-note", "worker_probe", "other"]) == [*PROBES, "host_note", "other"]
+
+
+class _Hooks:
+    def __init__(self, impls):
+        self.impls = impls
+
+    def provenance_impls(self):
+        return self.impls
+
+
+def _probe(name, answer):
+    def fn(context):
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer(name) if callable(answer) else answer
+    return (f"probes:{name}", fn)
+
+
+async def test_collect_records_a_wrong_answer_as_that_probes_error_and_keeps_the_others():
+    """Each probe's answer is checked (its own name, ``data`` present, JSON-compatible, bounded, awaited under the
+    timeout); a wrong one is that probe's error, naming what was expected, and never a KeyError or a rank artifact
+    that cannot be written after the whole run."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from genartifact_fpm_bench import probes
+
+    async def slow():
+        await asyncio.sleep(10)
+
+    async def fine():
+        return {"x": 1}
+
+    impls = [
+        _probe("good", lambda n: {"name": n, "data": {"cpus": 2}}),
+        _probe("later", lambda n: {"name": n, "data": fine()}),
+        _probe("none", None),
+        _probe("nodata", lambda n: {"name": n, "block": 1}),
+        _probe("thief", lambda n: {"name": "engine_config", "data": {"forged": True}}),
+        _probe("nan", lambda n: {"name": n, "data": {"v": float("nan")}}),
+        _probe("object", lambda n: {"name": n, "data": {"v": object()}}),
+        _probe("huge", lambda n: {"name": n, "data": "x" * (probes.MAX_BLOCK_BYTES + 1)}),
+        _probe("list", lambda n: [n]),
+        _probe("raises", RuntimeError("boom")),
+        _probe("slow", lambda n: {"name": n, "data": slow()}),
+    ]
+    blocks, errors = await probes.collect(NS(hooks=_Hooks(impls)), {"engine": None}, timeout_s=0.2)
+    assert blocks == {"good": {"cpus": 2}, "later": {"x": 1}}
+    assert sorted(errors) == ["huge", "list", "nan", "nodata", "object", "raises", "slow", "thief"]
+    assert "expected None or {'name': 'nodata', 'data'" in errors["nodata"]
+    assert "name='engine_config'" in errors["thief"] and "engine_config" not in blocks
+    assert "not JSON-compatible" in errors["nan"] and "not JSON-compatible" in errors["object"]
+    assert "limit" in errors["huge"] and len(errors["huge"]) < 400
+    assert errors["raises"] == "RuntimeError: boom" and errors["slow"].startswith("TimeoutError")
+
+
+def test_merge_carries_the_configs_own_probes_per_rank_and_never_compares_them(tmp_path):
+    """Third-party blocks differ per rank (a host's CPU, a worker's clock) and may fail on one rank: the merge
+    carries them per rank, and their faults do not exclude the rank from the engine comparison."""
+    a, b = rank_doc(0), rank_doc(1)
+    a["provenance"], b["provenance"] = {"host_note": {"cpus": 2}}, {"host_note": {"cpus": 16}}
+    b["provenance_errors"] = {"bad_note": "TypeError: probe 'bad_note' returned list"}
+    b["engine"]["model"]["model"] = "other"  # an engine difference must still be caught
+    with pytest.raises(MergeError, match="engine provenance differs"):
+        merge(write_ranks(_mk(tmp_path / "x"), [a, b]), tmp_path / "x.json")
+    b["engine"]["model"]["model"] = "m"
+    m = merge(write_ranks(_mk(tmp_path / "y"), [a, b]), tmp_path / "m.json")
+    assert m["provenance"] == {"0": {"host_note": {"cpus": 2}}, "1": {"host_note": {"cpus": 16}}}
+    assert m["provenance_errors"] == {"1": {"bad_note": "TypeError: probe 'bad_note' returned list"}}
+    assert m["capture_errors"] == {}
+
+
+def test_runtime_versions_lists_every_plugin_distribution_whatever_its_name(tmp_path, monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from genartifact_fpm_bench import probes
+
+    ep = NS(group="genartifact.probes")
+    dists = [NS(metadata={"Name": "acme-probes"}, version="3.1", entry_points=[ep]),
+             NS(metadata={"Name": "unrelated"}, version="1.0", entry_points=[NS(group="console_scripts")]),
+             NS(metadata={"Name": "genartifact"}, version="0.1.0", entry_points=[])]
+    monkeypatch.setattr(probes.md, "distributions", lambda: dists)
+    got = probes.RuntimeVersionsProbe().genartifact_collect_provenance(context={})
+    assert got["data"]["distributions"] == {"acme-probes": "3.1", "genartifact": "0.1.0"}
+
+
+def _mk(p):
+    p.mkdir(parents=True, exist_ok=True)
+    return p

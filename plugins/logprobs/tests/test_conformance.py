@@ -16,6 +16,7 @@ def values(completion):
 
 class TestWorkerSourceConformance(ContentConformance):
     content = "selected_logprobs"
+    capture_key = "genartifact_logprobs_id"
 
     def engine(self, prompt, completion):
         def fetch(capture_id):

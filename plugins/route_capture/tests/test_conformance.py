@@ -18,6 +18,7 @@ def rows_for(prompt, completion):
 
 class TestMoeRoutesConformance(ContentConformance):
     content = "moe_routes"
+    capture_key = "genartifact_capture_id"
 
     def engine(self, prompt, completion):
         full = rows_for(prompt, completion)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from genartifact.testing import FakeEngine, make_host, model_info
 from genartifact.testing.conformance import ContentConformance
+from genartifact_route_weights import CAPTURE_KEY
 
 ROUTERS, EXPERTS, TOP_K = 4, 8, 2  # genartifact.testing.TINY_MOE_CONFIG
 
@@ -28,6 +29,7 @@ def fake_engine(full):
 
 class TestMoeRouteWeightsConformance(ContentConformance):
     content = "moe_route_weights"
+    capture_key = CAPTURE_KEY
 
     def model(self):
         return model_info(worker_captures=["moe_routes", "moe_route_weights", "selected_logprobs"])

@@ -685,7 +685,10 @@ class WorkerRuntime:
         return {"found": payload, **where}
 
 
-_SAFE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+#: what a capture id (the value of a content's ``capture_key`` in ``SamplingParams.extra_args``) must be: 1-128 of
+#: ``[A-Za-z0-9_-]`` (e.g. ``os.urandom(16).hex()``), unique per request; a worker runs any other request uncaptured
+CAPTURE_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_SAFE = CAPTURE_ID_PATTERN
 
 #: where a capturing worker runs its captures' ``end_step`` hooks (:meth:`WorkerRuntime.settle`)
 STEP_END_MODES = ("deferred", "inline")

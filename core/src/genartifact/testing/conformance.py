@@ -307,7 +307,14 @@ class ContentConformance:
       ``extra_args`` (the suite otherwise checks it does not);
     * :attr:`aligned_to_tokens` — False if its tensors do not depend on the token counts (the suite otherwise
       checks that the reader refuses a section whose tensors disagree with them);
-    * :attr:`per_step` — deliver one delta per token (True) or a single final delta (False)."""
+    * :attr:`per_step` — deliver one delta per token (True) or a single final delta (False);
+    * :attr:`capture_key` — for a content captured in the workers, its ``WorkerCapture.capture_key`` (the
+      ``SamplingParams.extra_args`` key whose value is the request's capture id): the suite then checks that each
+      request gets its own capture id of the form the workers accept, and that a request ending without its rows
+      fetched discards them through :meth:`engine`'s ``"<content>.discard"`` verb.
+
+    Every content is also checked to keep the ``extra_args`` it is given (the caller's, another content's): a
+    producer adds its keys, it never replaces the dict."""
 
     content: str = ""
     #: the request's sampling parameters (e.g. ``{"temperature": 1.0, "logprobs": 5}`` for a top-k content)
@@ -319,6 +326,8 @@ class ContentConformance:
     changes_sampling: bool = False
     aligned_to_tokens: bool = True
     per_step: bool = True
+    #: the worker capture's ``capture_key`` (``SamplingParams.extra_args``), for a content captured in the workers
+    capture_key: str | None = None
 
     def make_host(self) -> Any:
         from genartifact.testing import make_host
@@ -504,6 +513,73 @@ class ContentConformance:
             pytest.skip("content has no tensors")
         with pytest.raises(ArtifactFormatError):
             reader.validate(art.manifest, art.manifest["sections"][self.content], {})
+
+    def _overridden(self, sampling: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """A fresh session of this content admitted for :attr:`prompt`/:attr:`completion` and its producers'
+        sampling overrides of (a copy of) ``sampling``: ``(session, params)``."""
+        from genartifact.session import ArtifactSession
+        from genartifact.spec import parse_request
+        from genartifact.testing import _run_target_settings
+
+        host = self.make_host()
+        req = parse_request({"format": "generation_artifact_v1", "contents": [self.content], "codec": "zstd",
+                             "delivery": {"mode": "object_store", "target": {
+                                 "kind": "memory", "object_key": f"runs/{uuid.uuid4().hex}.gart"}}})
+        s = ArtifactSession.for_request(host, req, self.model(), _run_target_settings(host, None))
+        params = copy.deepcopy(dict(sampling))
+        s.admit(len(self.prompt), len(self.completion), sampling=params)
+        s.sampling_overrides(params)
+        return s, params
+
+    def test_extra_args_of_others_are_kept(self) -> None:
+        """vLLM has one ``extra_args`` dict per request, shared by the caller and every content: a producer adds its
+        keys and keeps the others (a producer that replaced the dict dropped another content's capture id, whose
+        worker then never saw the request)."""
+        theirs = {"callers_key": "kept", "genartifact_other_content_id": "0123abcd"}
+        s, params = self._overridden({**self.sampling, "extra_args": dict(theirs)})
+        s.release()
+        extra = params.get("extra_args") or {}
+        lost = {k: v for k, v in theirs.items() if extra.get(k) != v}
+        assert not lost, f"content {self.content!r}: sampling_overrides dropped or changed extra_args {sorted(lost)}"
+
+    def test_capture_id_is_per_request_and_one_the_workers_accept(self) -> None:
+        if self.capture_key is None:
+            pytest.skip("no capture_key: not a worker-captured content")
+        from genartifact.engine.worker_ext import CAPTURE_ID_PATTERN
+
+        ids = []
+        for _ in range(3):
+            s, params = self._overridden(self.sampling)
+            s.release()
+            cid = (params.get("extra_args") or {}).get(self.capture_key)
+            assert isinstance(cid, str) and CAPTURE_ID_PATTERN.fullmatch(cid), (
+                f"content {self.content!r}: extra_args[{self.capture_key!r}] is {type(cid).__name__} of "
+                f"{len(cid) if isinstance(cid, str) else 0} characters; workers accept only 1-128 of [A-Za-z0-9_-] "
+                f"(CAPTURE_ID_PATTERN) and run any other request uncaptured")
+            ids.append(cid)
+        assert len(set(ids)) == len(ids), (f"content {self.content!r}: requests share a capture id; each request "
+                                           f"needs its own (a worker refuses an id held for another request)")
+
+    def test_a_request_ending_unfetched_discards_its_worker_rows(self) -> None:
+        """A request that ends without its rows fetched (aborted, failed, cancelled) must discard them, or its
+        worker keeps them until the engine stops."""
+        if self.capture_key is None:
+            pytest.skip("no capture_key: not a worker-captured content")
+        from genartifact.testing import deltas, run_session
+
+        p, c = list(self.prompt), list(self.completion)
+        eng = self.engine(p, c)
+        if eng is None or not hasattr(eng, "calls"):
+            pytest.skip("engine() gives no FakeEngine to watch the discard")
+        ds = deltas(p, c, per_step=self.per_step, logprobs=self._logprobs(len(c)), finish_reason="abort")
+        res = run_session(self.make_host(), [self.content], p, c, model=self.model(), engine=eng, deltas_=ds,
+                          sampling=dict(self.sampling))
+        assert res.receipt.get("state") == "failed", _receipt_problem(res.receipt)
+        cid = (res.sampling.get("extra_args") or {}).get(self.capture_key)
+        discards = [a for m, a in eng.calls if m == f"{self.content}.discard"]
+        assert discards and str(discards[-1][0]) == str(cid), (
+            f"content {self.content!r}: an aborted request did not discard its worker rows "
+            f"(worker calls: {[m for m, _ in eng.calls]})")
 
     def test_no_sampling_change_unless_declared(self) -> None:
         if self.changes_sampling:

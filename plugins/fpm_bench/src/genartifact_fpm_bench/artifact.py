@@ -6,7 +6,8 @@ measurement protocol and coverage; exactly one record per rank and point; engine
 cleanly agree (ignoring the rank id and probe-filled fields) — else it fails naming the differing keys; ranks
 whose capture failed are excluded from that comparison and listed in ``capture_errors``. The worker-probe results
 go to ``<merged stem>_worker_probe.json`` (schema ``genartifact.fpm_bench.worker_probe`` v1), named by
-``worker_probe_path`` in the merged artifact. Nothing is ever rewritten.
+``worker_probe_path`` in the merged artifact. The blocks of the config's own probes (``provenance``) and their faults
+(``provenance_errors``) are carried per rank, never compared. Nothing is ever rewritten.
 """
 
 from __future__ import annotations
@@ -162,6 +163,10 @@ def merge(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) 
         "engine": engine,
         "capture_errors": capture_errors,
         "worker_probe_path": sidecar.name,
+        # the config's own probes (third-party): per rank, as each rank recorded them; never compared
+        "provenance": {str(d["dp"]["rank"]): d.get("provenance") or {} for _, d in docs},
+        "provenance_errors": {str(d["dp"]["rank"]): d["provenance_errors"] for _, d in docs
+                              if d.get("provenance_errors")},
     }
     probe = {"schema": PROBE_SCHEMA, "schema_version": SCHEMA_VERSION, "run_id": ref["run_id"],
              "merged_output_path": out.name, "rank_files": [p for p, _ in docs],

@@ -87,12 +87,12 @@ def _main(args: Any) -> int:
 
         from genartifact_fpm_bench.run import run_rank
 
-        engine_kwargs = {"max_num_batched_tokens": 1024,
-                         **command_engine_kwargs(config_mod.load(getattr(args, "config", None)), args)}
+        cfg = config_mod.load(getattr(args, "config", None))
+        engine_kwargs = {"max_num_batched_tokens": 1024, **command_engine_kwargs(cfg, args)}
         path = asyncio.run(run_rank(model=args.model, mode=args.mode, out_dir=args.out, rank=args.dp_rank,
                                     dp_size=args.dp_size, run_id=args.run_id, points_file=args.points,
                                     repeats=args.repeats, port_base=args.port_base, max_points=args.max_points,
-                                    rounds=args.rounds,
+                                    rounds=args.rounds, probes=cfg.plugins.get("probes", []),
                                     engine_kwargs=engine_kwargs))
         print(f"rank artifact: {path}")
     elif args.bench_cmd == "merge":

