@@ -102,3 +102,27 @@ def test_generate_whose_engine_never_started_freezes_nothing(cfg, tmp_path, monk
     with pytest.raises(RuntimeError, match="engine start failed"):
         run(cfg, tmp_path, freeze_heap=True)
     assert calls == [] and gc.get_freeze_count() == 0
+
+
+def test_generate_whose_engine_never_started_says_so_in_every_receipt(cfg, tmp_path, monkeypatch):
+    """Every row of a run whose engine did not start gets ``engine_failed`` saying the engine did not start (and the
+    exception type), not ``interrupted``/"cancelled", which would send the user looking for a signal."""
+    from genartifact.engine.job import ReceiptsWriter
+
+    monkeypatch.setattr(vllm_adapter, "VllmEngine", lambda host, *a, **k: StubEngine(host, fail_start=True))
+    out = tmp_path / "receipts.jsonl"
+    writer = ReceiptsWriter(out)
+    try:
+        with pytest.raises(RuntimeError, match="engine start failed"):
+            asyncio.run(run_generate(model="/m", prompts=[{"prompt": "a"}, {"prompt": "b"}], cfg=cfg,
+                                     contents=["selected_logprobs"], target="managed_fsspec:local", max_tokens=4,
+                                     run_id="r", engine_kwargs={}, progress=False, writer=writer))
+    finally:
+        writer.close()
+    import json
+
+    receipts = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["index"] for r in receipts) == [0, 1]
+    for r in receipts:
+        assert r["state"] == "failed" and r["error_code"] == "engine_failed", r
+        assert r["error"].startswith("the engine did not start (RuntimeError;") and "--resume" in r["error"]

@@ -171,10 +171,55 @@ requires-python = ">=3.11"
 
 [project.entry-points."genartifact.contents"]
 faulty = "genartifact_faulty_content"
+faulty_worker = "genartifact_faulty_worker"
 
 [tool.setuptools]
-py-modules = ["genartifact_faulty_content"]
+py-modules = ["genartifact_faulty_content", "genartifact_faulty_worker"]
 """
+
+FAULTY_WORKER_SRC = '''
+"""A worker content whose worker setup has a bug (its genartifact_worker_capture raises on every worker): the
+engine still starts, its requests fail at admission, nothing else."""
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("genartifact")
+
+
+class FaultyWorker:
+    name = "faulty_worker"
+    consumes_deltas = False
+
+    def admit(self, ctx):
+        return 0
+
+    def sampling_overrides(self, params):
+        pass
+
+    def on_delta(self, delta):
+        pass
+
+    async def collect(self, final):
+        pass
+
+    def finalize(self, final):
+        return {}, []
+
+    def retained_bytes(self):
+        return 0
+
+    def release(self):
+        pass
+
+
+@hookimpl
+def genartifact_content_producer(name, model):
+    return FaultyWorker() if name == "faulty_worker" else None
+
+
+@hookimpl
+def genartifact_worker_capture(worker, settings):
+    raise RuntimeError("faulty_worker cannot find the model's layers (setup bug): token=s3cr3t-init")
+'''
 
 FAULTY_SRC = '''
 """A content whose on_delta has a bug (raises ValueError): its requests fail with internal_error, nothing else."""
@@ -228,7 +273,8 @@ def site(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("out-of-tree")
     sqlite = _write(base / "sqlite", {"pyproject.toml": SQLITE_PYPROJECT, "genartifact_sqlite_target.py": SQLITE_SRC,
                                       "tests/test_sqlite.py": SQLITE_TESTS})
-    faulty = _write(base / "faulty", {"pyproject.toml": FAULTY_PYPROJECT, "genartifact_faulty_content.py": FAULTY_SRC})
+    faulty = _write(base / "faulty", {"pyproject.toml": FAULTY_PYPROJECT, "genartifact_faulty_content.py": FAULTY_SRC,
+                                      "genartifact_faulty_worker.py": FAULTY_WORKER_SRC})
     template = base / "plugin-template"  # a copy: building leaves build/ and *.egg-info next to the sources
     shutil.copytree(ROOT / "examples" / "plugin-template", template,
                     ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache"))
@@ -270,7 +316,7 @@ def test_template_and_sqlite_suites_pass_against_the_kit(site):
 @pytest.mark.engine
 def test_generate_verify_inspect_with_out_of_tree_plugins(site, qwen_model, tmp_path):
     (tmp_path / "config.toml").write_text(
-        '[plugins]\ncontents = ["moe_routes", "selected_logprobs", "token_timestamps", "faulty"]\n'
+        '[plugins]\ncontents = ["moe_routes", "selected_logprobs", "token_timestamps", "faulty", "faulty_worker"]\n'
         'targets = ["managed_fsspec", "sqlite"]\n'
         '[targets.managed_fsspec.profiles.local]\nurl = "./artifacts"\nallowed_prefixes = ["runs/"]\n'
         '[targets.sqlite]\npath = "objects.db"\n'
@@ -279,22 +325,28 @@ def test_generate_verify_inspect_with_out_of_tree_plugins(site, qwen_model, tmp_
             {"prompt": "a faulty plugin only costs its own request", "max_tokens": 4,
              "contents": ["faulty", "selected_logprobs"]},
             {"prompt": "four five six seven", "max_tokens": 5},
-            {"prompt": "eight", "max_tokens": 3}]
+            {"prompt": "eight", "max_tokens": 3},
+            {"prompt": "a worker plugin whose setup failed only costs its own requests", "max_tokens": 3,
+             "contents": ["faulty_worker", "moe_routes"]}]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = _cli(site, tmp_path, "generate", "--model", str(qwen_model), "--prompts", "prompts.jsonl", "--config",
              "config.toml", "--contents", "moe_routes,selected_logprobs,token_timestamps", "--target", "sqlite:runs",
              "--run-id", "oot", "--out", "receipts.jsonl", "--max-model-len", "512")
-    assert r.returncode == 1, r.stderr[-3000:]  # one row failed (the faulty plugin), the others are ready
+    assert r.returncode == 1, r.stderr[-3000:]  # two rows failed (the faulty plugins), the others are ready
     receipts = {x["index"]: x for x in map(json.loads, (tmp_path / "receipts.jsonl").read_text().splitlines())}
-    assert sorted(receipts) == [0, 1, 2, 3]  # receipts.jsonl is complete
+    assert sorted(receipts) == [0, 1, 2, 3, 4]  # receipts.jsonl is complete
     assert receipts[1]["state"] == "failed" and receipts[1]["error_code"] == "internal_error"
+    # the engine started although a worker capture's setup raised on the worker: only that content's row failed
+    assert receipts[4]["state"] == "failed" and receipts[4]["error_code"] == "internal_error", receipts[4]
+    assert "worker_capture_unavailable" in r.stderr and "genartifact_worker_capture" in r.stderr
+    assert "s3cr3t-init" not in r.stderr
     for i in (0, 2, 3):
         assert receipts[i]["state"] == "ready" and receipts[i]["target"] == "sqlite", receipts[i]
         assert receipts[i]["object_id"] == f"runs/oot/{i:05d}"
     assert "plugin_fault" in r.stderr and "genartifact-faulty-content" in r.stderr and "6.6.6" in r.stderr
     assert "on_delta" in r.stderr and "s3cr3t-value" not in r.stderr
     v = _cli(site, tmp_path, "verify", "--receipts", "receipts.jsonl", "--config", "config.toml")
-    assert v.returncode == 1 and "3/4 receipts verified" in v.stdout, v.stdout + v.stderr
+    assert v.returncode == 1 and "3/5 receipts verified" in v.stdout, v.stdout + v.stderr
     assert "#1: failed internal_error" in v.stdout
     ins = _cli(site, tmp_path, "inspect", "sqlite:runs/oot/00000", "--config", "config.toml", "--json")
     assert ins.returncode == 0, ins.stderr

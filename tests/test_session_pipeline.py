@@ -12,7 +12,7 @@ from genartifact import format as fmt
 from genartifact.config import DEFAULT_TOML, parse
 from genartifact.errors import AdmissionError, ConfigError, RequestSpecError, TargetError, UnknownPluginError
 from genartifact.host import PluginHost
-from genartifact.session import ArtifactSession
+from genartifact.session import ERROR_MESSAGES, ArtifactSession
 from genartifact.spec import parse_request
 from genartifact.types import Delta, ModelInfo
 from genartifact_logprobs.answer import worker_answer
@@ -418,7 +418,7 @@ async def test_missing_worker_rows_fail_receipt_and_store_nothing(host):
     full = np.zeros((4, 5, 2), np.uint8)
     r = await s.finalize(FakeEngine(full, missing=[0, 2]))
     assert r == {"format": "generation_artifact_v1", "contents": ["moe_routes"], "state": "failed",
-                 "target": "managed_fsspec", "error_code": "capture_invalid", "error": "captured engine data violated the admitted bounds"}
+                 "target": "managed_fsspec", "error_code": "capture_invalid", "error": ERROR_MESSAGES["capture_invalid"]}
     key = s.request.target["object_key"]
     assert not mem_exists(f"mem:{key}")
 

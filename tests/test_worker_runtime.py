@@ -1939,3 +1939,130 @@ def test_a_guarded_callback_fault_fails_the_steps_requests_and_the_run_goes_on()
         assert got["absent"] == "failed" and "RuntimeError: callback broke on 0" in got["error"], got
         assert "SECRETSIG" not in got["error"] and "inside_forward.<locals>.work" in got["error"]
     assert rt.call("fake.fetch", ["cid-c"])["found"] == [3]
+
+
+# ------------------------------------------------------------------- a worker capture that cannot be installed
+def _two_content_host(bad):
+    """Contents "fake" (a good Recorder) and "bad", whose worker capture hook ``bad`` describes: raises, returns a
+    wrong object, or returns a second capture for "fake"."""
+    good, broken = types.ModuleType("fake_good_content"), types.ModuleType("fake_bad_content")
+
+    @hookimpl
+    def good_hook(worker, settings):
+        return Recorder(worker)
+
+    @hookimpl
+    def bad_hook(worker, settings):
+        if bad == "raises":
+            raise RuntimeError("cannot find the layers: token=s3cr3t")
+        if bad == "wrong":
+            return object()
+        return Recorder(worker)  # "duplicate": a second capture claiming content "fake"
+
+    good.genartifact_worker_capture, broken.genartifact_worker_capture = good_hook, bad_hook
+    sys.modules[good.__name__], sys.modules[broken.__name__] = good, broken
+    eps = {"genartifact.contents": [FakeEP("fake", good.__name__, NS(name="good-dist", version="1")),
+                                    FakeEP("bad", broken.__name__, NS(name="bad-dist", version="2"))],
+           "genartifact.targets": [], "genartifact.probes": []}
+    return PluginHost({"contents": ["fake", "bad"]}, source=lambda g: eps[g])
+
+
+@pytest.mark.parametrize("bad", ["raises", "wrong", "duplicate"])
+def test_a_worker_capture_that_cannot_be_installed_fails_only_its_content(bad):
+    """A content plugin whose ``genartifact_worker_capture`` raises or returns a wrong object (or a second capture for
+    a content another plugin captures) does not fail the worker's init: the other captures are installed and capture,
+    and the init answer's ``init_faults`` names the content, for the driver to fail its requests at admission."""
+    w = fake_worker()
+    rt = WorkerRuntime(w, {**CFG, "contents": ["fake", "bad"]}, host=_two_content_host(bad))
+    faults = rt.answer()["init_faults"]
+    if bad == "duplicate":  # which of the two is meant cannot be known: the content is off
+        assert sorted(rt.captures) == [] and "two worker captures for content 'fake'" in faults["fake"]
+        return
+    assert sorted(rt.captures) == ["fake"] and list(faults) == ["bad"]
+    assert "bad (bad-dist 2)" in faults["bad"] and "genartifact_worker_capture" in faults["bad"]
+    assert "s3cr3t" not in faults["bad"]
+    run_request(w.model_runner, "r1", "c1")
+    assert rt.call("fake.fetch", ["c1"])["found"]  # the good content captured
+
+
+async def test_the_driver_fails_only_the_faulted_contents_requests_at_admission(monkeypatch):
+    """The driver reads ``init_faults`` from the workers' init answers: the engine starts, a faulted content is not
+    among the worker captures, and ``engine_options["worker_capture_faults"]`` makes each request asking for it a
+    plugin fault at admission (``internal_error``), naming the content; requests without it are admitted."""
+    from genartifact.engine.vllm_adapter import VllmEngine
+    from genartifact.errors import PluginFault
+    from genartifact.testing import arun_session, model_info
+    from genartifact.testing import make_host as kit_host
+
+    class FakeLLM:
+        async def collective_rpc(self, name, args=()):
+            return [{"enabled": {"contents": ["fake", "bad"], "probes": []}, "capturing": True,
+                     "captures": ["fake"], "init_faults": {"bad": "content plugin bad (bad-dist 2) raised ..."},
+                     "handover": [], "dp_rank": 0, "tp_rank": 0, "rank": 0}]
+
+    import genartifact.engine.vllm_adapter as va
+
+    eng = VllmEngine(PluginHost({"contents": []}), "/m", capture_handover=False)
+    eng.llm = FakeLLM()
+    monkeypatch.setattr(va, "init_config", lambda host: {"contents": ["fake", "bad"], "probes": [], "settings": {}})
+    assert await eng._init_workers() == {"fake"}
+    assert eng.capture_faults == {"bad": "content plugin bad (bad-dist 2) raised ..."}
+
+    host = kit_host(contents={"echo": _EchoPlugin()})
+    model = model_info(worker_capture_faults={"echo": "content plugin echo (x 1) raised RuntimeError: boom"})
+    with pytest.raises(PluginFault, match="content 'echo': its worker capture could not be installed"):
+        await arun_session(host, ["echo"], [1, 2, 3], [4, 5], model=model)
+    ok = await arun_session(host, ["echo"], [1, 2, 3], [4, 5], model=model_info(worker_capture_faults={"other": "x"}))
+    assert ok.receipt["state"] == "ready"
+
+
+class _Echo:
+    """A minimal content: the completion's token ids as u32 [C]."""
+
+    name = "echo"
+
+    def __init__(self):
+        self.vals = []
+
+    def admit(self, ctx):
+        return 4 * ctx.max_tokens + 2
+
+    def sampling_overrides(self, params):
+        pass
+
+    def on_delta(self, delta):
+        self.vals.extend(delta.new_token_ids)
+
+    async def collect(self, final):
+        pass
+
+    def finalize(self, final):
+        import numpy as np
+        from genartifact.types import TensorPart
+
+        return {}, [TensorPart("echo.values", np.asarray(self.vals, "<u4"))]
+
+    def retained_bytes(self):
+        return 4 * len(self.vals)
+
+    def release(self):
+        self.vals = []
+
+
+class _EchoReader:
+    def validate(self, manifest, section, tensors):
+        from genartifact.errors import ArtifactFormatError
+
+        v = tensors.get("echo.values")
+        if v is None or v.shape != (manifest["completion_token_count"],):
+            raise ArtifactFormatError("echo.values must be u32 [C]")
+
+
+class _EchoPlugin:
+    @hookimpl
+    def genartifact_content_producer(self, name, model):
+        return _Echo() if name == "echo" else None
+
+    @hookimpl
+    def genartifact_content_reader(self, name):
+        return _EchoReader() if name == "echo" else None

@@ -550,10 +550,23 @@ class Hooks:
         res, info = self._call("genartifact_content_reader", {"name": name}, first=True)
         return guard_reader(res, info, name)
 
-    def worker_captures(self, worker: Any, settings: Mapping[str, Any]) -> list[Any]:
-        """The enabled content plugins' worker captures, in config order (None results dropped). A plugin that
-        raises becomes a :class:`PluginFault` naming it (the worker's ``init`` then fails, so does start)."""
-        return self._call("genartifact_worker_capture", {"worker": worker, "settings": settings}, first=False)
+    def worker_captures(self, worker: Any, settings: Mapping[str, Any]) -> list[tuple[PluginInfo | None, Any]]:
+        """Each enabled plugin's worker capture, in config order, isolated per plugin: ``(its PluginInfo, the
+        capture it returned or the PluginFault it caused)``; plugins that returned None are left out. One plugin's
+        fault never stops another's capture from being installed (the worker runtime fails only that plugin's
+        requests)."""
+        out: list[tuple[PluginInfo | None, Any]] = []
+        for impl in self._impls("genartifact_worker_capture"):
+            info = self.info_of(impl.plugin_name)
+            kw = {"worker": worker, "settings": settings}
+            try:
+                res = call_plugin(info, "genartifact_worker_capture", impl.function, *[kw[a] for a in impl.argnames])
+            except PluginFault as e:
+                out.append((info, e))
+                continue
+            if res is not None:
+                out.append((info, res))
+        return out
 
     def worker_call(self, worker: Any, method: str, args: list[Any]) -> Any:
         res, _ = self._call("genartifact_worker_call", {"worker": worker, "method": method, "args": args},

@@ -38,7 +38,8 @@ log = structlog.get_logger("genartifact.session")
 
 #: Stable receipt error codes (docs/receipts.md).
 ERROR_MESSAGES = {
-    "capture_invalid": "captured engine data violated the admitted bounds",
+    "capture_invalid": "captured engine data was missing or out of the admitted bounds (the log line "
+                       "artifact_capture_invalid has the cause)",
     "encode_failed": "generation artifact encoding failed",
     "target_invalid": "generation artifact target became invalid",
     "too_large": "generation artifact exceeds the target byte limit",
@@ -184,6 +185,7 @@ class ArtifactSession:
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "max_tokens" else 0):
                 raise AdmissionError(f"{name} must be an integer >= {1 if name == 'max_tokens' else 0}; got {v!r}")
         check_routes_start(routes_start, prompt_token_count)
+        self._check_worker_captures()
         sampling = dict(sampling or {})
         for k, v in sampling.items():
             if isinstance(v, float) and not math.isfinite(v):
@@ -218,6 +220,22 @@ class ArtifactSession:
         self.prompt_token_count, self.max_tokens = prompt_token_count, max_tokens
         self.budget, self.encoded_bound = decoded, bound
         self.routes_start = ctx.routes_start
+
+    def _check_worker_captures(self) -> None:
+        """:raises PluginFault: a requested content's worker capture could not be installed when the engine started
+        (``engine_options["worker_capture_faults"]``: its plugin's ``genartifact_worker_capture`` raised or returned a
+        wrong object): this request fails (``internal_error``) before inference, requests without it run."""
+        faults = self.model.engine_options.get("worker_capture_faults") or {}
+        for p in self._producers:
+            msg = faults.get(p.name)
+            if msg:
+                label = p.info.label() if p.info else p.name
+                log.error("plugin_fault", plugin=p.name, dist=p.info.dist if p.info else None,
+                          method="genartifact_worker_capture", error_type="worker_capture_unavailable")
+                raise PluginFault(f"content '{p.name}': its worker capture could not be installed when the engine "
+                                  f"started ({redact(msg, 600)}); its requests fail until the plugin is fixed and the "
+                                  f"engine restarted", plugin=label, method="genartifact_worker_capture",
+                                  error_type="worker_capture_unavailable")
 
     def _make_header(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         opts = self.model.engine_options

@@ -469,6 +469,13 @@ def _engine_failed(exc: BaseException) -> dict[str, Any]:
                      "rerun with --resume"}
 
 
+def _engine_not_started(exc: BaseException) -> dict[str, Any]:
+    """The receipt of a row whose engine never started (a worker's init failed, the model could not load...)."""
+    return {"state": "failed", "error_code": "engine_failed",
+            "error": f"the engine did not start ({type(exc).__name__}; the log's last line has the cause); fix it and "
+                     "rerun with --resume"}
+
+
 def _unfinished_receipt(i: int, task: Any, signalled: bool) -> dict[str, Any]:
     """The receipt of row ``i`` whose request task ended without one: ``engine_failed`` when the task raised
     (the engine died under it, e.g. ``EngineDeadError`` after its worker was killed: named by exception type
@@ -840,9 +847,13 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         signal.signal(s, startup_signal)
     engine = VllmEngine(host, model, **engine_kwargs)
     frozen = 0  # objects freeze_startup_heap froze (freeze_heap)
+    start_failed: BaseException | None = None  # the engine did not start: every row's receipt says so
     try:
         try:
             await engine.start()
+        except Exception as e:
+            start_failed = e
+            raise
         finally:
             for s in EXIT_SIGNAL:  # replaces the start-up handlers with no gap in between
                 loop.add_signal_handler(s, on_signal, s)
@@ -896,7 +907,8 @@ async def run_generate(*, model: str, prompts: list[dict[str, Any] | RequestSpec
         for i in specs:
             for key in ([(i, k) for k in todo[i]] if i in todo else [i]):
                 if key not in receipts:
-                    r = _unfinished_receipt(i, tasks.get(i), "signal" in stop)
+                    r = ({"index": i, **_engine_not_started(start_failed)} if start_failed is not None
+                         and "signal" not in stop else _unfinished_receipt(i, tasks.get(i), "signal" in stop))
                     emit(key, r if key == i else {**r, "sample": key[1]})
     return [receipts[i] for i in sorted(receipts, key=_key_order)]
 

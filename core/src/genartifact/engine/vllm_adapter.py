@@ -97,6 +97,8 @@ class VllmEngine:
         self.tokenizer: Any = None
         #: each worker's answer to ``init`` (enabled plugins, captures, ranks), in RPC order
         self.workers: list[dict[str, Any]] = []
+        #: content -> why its worker capture could not be installed at engine start (its requests fail at admission)
+        self.capture_faults: dict[str, str] = {}
         self.data_parallel_size = 1
         self.start_seconds: float | None = None
         self._owns_llm = True
@@ -167,6 +169,7 @@ class VllmEngine:
                 "worker_rpc": bool(self.workers),
                 "worker_capture": bool(captures),
                 "worker_captures": sorted(captures),
+                "worker_capture_faults": dict(self.capture_faults),
                 "native_routed_experts": bool(_native_routes_enabled(vcfg)),
                 "logprobs_mode": str(getattr(mc, "logprobs_mode", "raw_logprobs")),
                 "max_model_len": int(mc.max_model_len),
@@ -214,7 +217,17 @@ class VllmEngine:
                     "installed plugins differ from the driver's (install the same genartifact distributions "
                     "on every node)")
         capturing = [a for a in self.workers if a.get("capturing")]
-        sets = {tuple(a.get("captures", [])) for a in capturing}
+        # a content whose worker capture could not be installed on some worker (its plugin's hook raised or returned a
+        # wrong object) is off on every worker: its requests fail at admission, the engine and the others run on
+        self.capture_faults = {}
+        for a in capturing:
+            for name, msg in dict(a.get("init_faults") or {}).items():
+                self.capture_faults.setdefault(str(name), str(msg)[:2000])
+        if self.capture_faults:
+            log.error("worker_capture_unavailable", contents=sorted(self.capture_faults),
+                      detail="the worker capture of these contents failed at engine start (the log's plugin_fault "
+                             "lines name the plugin); their requests fail at admission, the others run")
+        sets = {tuple(c for c in a.get("captures", []) if c not in self.capture_faults) for a in capturing}
         if len(sets) > 1:
             raise EngineStartError(f"capturing workers installed different captures: "
                                    f"{[(a.get('dp_rank'), a.get('captures')) for a in capturing]}")

@@ -243,14 +243,32 @@ class WorkerRuntime:
         #: the failures since the first one not followed by HANDOVER_FAIL_LOG_S of writes (None: none), see
         #: :meth:`_note_unwritten`
         self._unwritten_episode: dict[str, Any] | None = None
+        #: content -> why its worker capture could not be installed (its plugin's hook raised or returned a wrong
+        #: object): answered to the driver, which fails that content's requests at admission and no others
+        self.init_faults: dict[str, str] = {}
         if self.capturing:
             settings = self.config["settings"]
-            for cap in self.host.hooks.worker_captures(worker=worker, settings=settings):
+            for info, cap in self.host.hooks.worker_captures(worker=worker, settings=settings):
+                who = info.name if info is not None else "?"
+                if isinstance(cap, PluginFault):
+                    self.init_faults[who] = str(cap)
+                    continue
                 if not isinstance(cap, WorkerCapture) or not cap.name or not cap.capture_key:
-                    raise TypeError(f"genartifact_worker_capture returned {cap!r}; expected a WorkerCapture "
-                                    "subclass instance with name and capture_key set")
-                if cap.name in self.captures:
-                    raise ValueError(f"two worker captures for content {cap.name!r}")
+                    fault = PluginFault(f"content plugin {info.label() if info else who} broke the "
+                                        f"genartifact_worker_capture contract: returned {type(cap).__name__}; "
+                                        f"expected a WorkerCapture subclass instance with name and capture_key set",
+                                        plugin=info.label() if info else who, method="genartifact_worker_capture",
+                                        error_type="bad_return")
+                    log.error("plugin_fault", plugin=who, method="genartifact_worker_capture", error_type="bad_return",
+                              error=str(fault), **self.where)
+                    self.init_faults[who] = str(fault)
+                    continue
+                if cap.name in self.captures or cap.name in self.init_faults:
+                    self.init_faults[cap.name] = (f"two worker captures for content {cap.name!r} (the second from "
+                                                  f"plugin {info.label() if info else who})")
+                    log.error("worker_capture_duplicate", content=cap.name, plugin=who, **self.where)
+                    self._uninstall(cap.name)
+                    continue
                 self.captures[cap.name] = cap
                 self.flagged[cap.name], self.failed[cap.name], self.unwritten[cap.name] = {}, {}, {}
                 self._live[cap.name] = set()
@@ -258,12 +276,24 @@ class WorkerRuntime:
                 self._keys.append((cap.capture_key, cap.name))
                 if not cap.end_step_deferred:
                     self._inline_end.add(cap.name)
+            if self.init_faults:
+                log.error("worker_capture_unavailable", contents=sorted(self.init_faults),
+                          detail="these contents' requests fail at admission; the engine and the other contents run",
+                          **self.where)
             if self.captures:
                 self._wrap(worker.model_runner)
                 self.idle_hook = _hook_idle_wait(self)
         self.set_handover(config.get("handover"))
         log.info("worker_runtime_ready", captures=list(self.captures), handover=self.handover_dir is not None,
                  **self.where)
+
+    def _uninstall(self, name: str) -> None:
+        """Forget content ``name``'s capture (installed at init, before a second one claimed the content)."""
+        self.captures.pop(name, None)
+        for d in (self.flagged, self.failed, self.unwritten, self._live, self.gone):
+            d.pop(name, None)
+        self._keys = [(k, n) for k, n in self._keys if n != name]
+        self._inline_end.discard(name)
 
     def set_handover(self, handover: Mapping[str, Any] | None) -> None:
         """Use the driver's handover folder ``{"dir": path, "token": str}`` when this worker sees it (the
@@ -291,6 +321,7 @@ class WorkerRuntime:
     def answer(self) -> dict[str, Any]:
         return {"enabled": {"contents": self.config["contents"], "probes": self.config["probes"]},
                 "settings": self.config["settings"], "captures": sorted(self.captures),
+                "init_faults": dict(self.init_faults),
                 "capturing": self.capturing, "handover": self.handover_contents, "step_end": self.step_end,
                 "handover_thread_bytes": self.handover_thread_bytes,
                 "idle_hook": self.idle_hook, **self.where}
