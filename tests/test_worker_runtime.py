@@ -2066,3 +2066,106 @@ class _EchoPlugin:
     @hookimpl
     def genartifact_content_reader(self, name):
         return _EchoReader() if name == "echo" else None
+
+
+# ------------------------------------------------------------------- answers that cannot go back, BaseExceptions
+class _Boom(BaseException):
+    """A plugin's own BaseException subclass."""
+
+
+class Hostile(Recorder):
+    """A Recorder whose ``mode`` misbehaves: an answer msgpack cannot carry, a BaseException of its own in a step
+    hook, a write into the step's flagged maps, or a verb answering or raising so."""
+
+    mode = ""
+
+    def begin_step(self, step):
+        super().begin_step(step)
+        if self.mode == "boom":
+            raise _Boom("plugin's own BaseException")
+        if self.mode == "cancelled":
+            import asyncio
+
+            raise asyncio.CancelledError()
+        if self.mode == "clear_flagged":
+            step.flagged["fake"].clear()
+
+    def pop(self, cid, args):
+        rows = super().pop(cid, args)
+        return {"rows": rows, "obj": object()} if self.mode == "unsendable" and rows is not None else rows
+
+    def verbs(self):
+        return {"obj": lambda args: object(), "boom": lambda args: (_ for _ in ()).throw(_Boom("verb"))}
+
+
+def _hostile_runtime(mode):
+    class H(Hostile):
+        pass
+
+    H.mode = mode
+    w = fake_worker()
+    return w, WorkerRuntime(w, CFG, host=make_host(cls=H))
+
+
+def test_an_answer_msgpack_cannot_carry_fails_its_request_and_never_reaches_the_engine_core():
+    """vLLM's engine core encodes an RPC answer with msgpack on its output thread; an answer it cannot encode ended
+    that thread and hung every request. The worker now encodes each fetch answer first: one it cannot carry is a
+    failed answer naming why (the request's receipt is internal_error), and the runtime goes on."""
+    w, rt = _hostile_runtime("unsendable")
+    run_request(w.model_runner, "r1", "c1")
+    ans = rt.call("fake.fetch", ["c1"])
+    assert ans["absent"] == "failed" and ans["fault"] and "not msgpack-native" in ans["error"], ans
+    run_request(w.model_runner, "r2", "c2")  # the runtime runs on
+    assert rt.call("fake.stats", [])["requests"] == 1
+
+
+def test_an_unwritable_handover_answer_that_msgpack_cannot_carry_fails_by_rpc_too(tmp_path):
+    """The same answer on the out-of-band path: its step file cannot be written (msgpack refuses it), so it waits
+    for the RPC fetch, which now refuses it too instead of sending it to the engine core."""
+    from genartifact.engine.worker_ext import Handover
+
+    class H(Hostile):
+        mode = "unsendable"
+
+        def handover(self, cid, extra):
+            return self.pop(cid, [])
+
+    w = fake_worker()
+    ho = Handover(str(tmp_path))
+    ho.contents = {"fake"}
+    rt = WorkerRuntime(w, {**CFG, "handover": ho.config()}, host=make_host(cls=H))
+    run_request(w.model_runner, "r1", "c1")
+    w.model_runner.execute_model(step(finished=["r1"]))  # finished: handed over, the file fails, kept for RPC
+    assert "c1" in rt.unwritten["fake"]
+    ans = rt.call("fake.fetch", ["c1"])
+    assert ans["absent"] == "failed" and "not msgpack-native" in ans["error"], ans
+    ho.close()
+
+
+@pytest.mark.parametrize("mode", ["boom", "cancelled"])
+def test_a_plugins_own_base_exception_fails_its_requests_never_the_engine(mode):
+    """Only KeyboardInterrupt and SystemExit (a signal; vLLM's SIGTERM) pass a worker plugin's isolation: a
+    BaseException subclass of the plugin's own, or CancelledError, fails that step's requests of its content."""
+    w, rt = _hostile_runtime(mode)
+    run_request(w.model_runner, "r1", "c1")  # no exception reaches the engine's execute_model
+    ans = rt.call("fake.fetch", ["c1"])
+    assert ans["absent"] == "failed" and "begin_step" in ans["error"], ans
+
+
+def test_a_capture_cannot_change_the_runtimes_flagged_requests():
+    """``step.flagged`` is read-only: a capture that tries to clear it faults (its requests fail, naming the hook),
+    and the runtime's own tracking, which every content shares, is intact."""
+    w, rt = _hostile_runtime("clear_flagged")
+    run_request(w.model_runner, "r1", "c1")
+    assert rt.flagged["fake"] == {"r1": "c1"}
+    ans = rt.call("fake.fetch", ["c1"])
+    assert ans["absent"] == "failed" and "begin_step" in ans["error"], ans
+
+
+def test_a_verb_answering_what_msgpack_cannot_carry_or_raising_its_own_base_exception_is_an_rpc_error():
+    w, rt = _hostile_runtime("")
+    with pytest.raises(TypeError, match="worker verb 'fake.obj' answered a value that is not msgpack-native"):
+        rt.call("fake.obj", [])
+    with pytest.raises(RuntimeError, match="worker verb 'fake.boom' raised _Boom"):
+        rt.call("fake.boom", [])
+    assert rt.call("fake.stats", [])["requests"] == 0  # the runtime answers on

@@ -47,6 +47,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import structlog
@@ -62,6 +63,12 @@ READY_MAX = 65536
 
 log = structlog.get_logger("genartifact.worker")
 
+#: what a plugin's code in a worker may raise without failing only its own requests: the two exceptions that mean
+#: this process must stop (a signal's ``KeyboardInterrupt``; ``SystemExit``, which vLLM's workers raise on SIGTERM).
+#: Anything else a plugin raises — a ``BaseException`` subclass of its own, ``asyncio.CancelledError``,
+#: ``GeneratorExit`` — is that plugin's fault: it fails the requests of its content, never the engine.
+_STOP = (KeyboardInterrupt, SystemExit)
+
 
 # ------------------------------------------------------------------------------------------------- plugin API
 
@@ -72,7 +79,8 @@ class WorkerStep:
     :ivar scheduler_output: vLLM's ``SchedulerOutput`` of the step (``num_scheduled_tokens``: engine request
         id -> tokens scheduled this step; ``scheduled_new_reqs``; ``finished_req_ids``).
     :ivar flagged: content name -> {engine request id -> capture id} of the live flagged requests (only
-        contents with at least one flagged request in this step appear).
+        contents with at least one flagged request in this step appear); read-only (``MappingProxyType``) views
+        of the runtime's own maps.
     :ivar model_output: vLLM's ``ModelRunnerOutput`` of the step (``sampled_token_ids``, ...), set before
         ``end_step``; None in ``begin_step`` and when the step failed.
     :ivar index: running step number on this worker (steps with flagged requests only).
@@ -86,7 +94,7 @@ class WorkerStep:
     """
 
     scheduler_output: Any
-    flagged: dict[str, dict[str, str]]
+    flagged: Mapping[str, Mapping[str, str]]
     index: int
     model_output: Any = None
     failed: bool = False
@@ -100,12 +108,15 @@ class WorkerStep:
         into vLLM's forward or sampler, which would end the engine for every request. Returns ``fn``'s result, or
         None once it raised (then, for the rest of the step, ``content``'s guarded calls are skipped and return
         None). Keep vLLM's own call outside: ``out = orig(...)`` must run exactly once whatever the guarded work
-        before or after it does. Exceptions only; ``KeyboardInterrupt``/``SystemExit`` pass."""
+        before or after it does. Everything but ``KeyboardInterrupt``/``SystemExit`` (:data:`_STOP`) is caught: a
+        ``BaseException`` subclass of the plugin's own too."""
         if content in self.faults:
             return None
         try:
             return fn(*args)
-        except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
+        except _STOP:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
             # logged by the runtime at the step's end, with the worker's ranks, as a failing step hook is
             self.faults[content] = f"{_callable_name(fn)}: {_exc_line(e)}"
             return None
@@ -399,7 +410,9 @@ class WorkerRuntime:
             return {"absent": "failed", "error": err, "fault": True, **where}
         try:
             payload = cap.handover(cid, extra)
-        except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the engine
+        except _STOP:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a plugin's fault fails its request, not the engine
             _drop_quietly(cap, cid)
             return {"absent": "failed", "error": f"handover: {_exc_line(e)}", "fault": True, **where}
         return {"found": payload, **where} if payload is not None else {"absent": "unknown", **where}
@@ -535,7 +548,9 @@ class WorkerRuntime:
             cap = self.captures[name]
             try:
                 getattr(cap, method)(step)
-            except Exception as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
+            except _STOP:
+                raise
+            except BaseException as e:  # noqa: BLE001 - a plugin's fault fails its requests, not the engine
                 self._fail_step(step, name, method, f"{method}: {_exc_line(e)}")
 
     def _fail_step(self, step: WorkerStep, name: str, hook: str, err: str) -> None:
@@ -601,7 +616,10 @@ class WorkerRuntime:
             if not self._track(scheduler_output):
                 return orig_exec(scheduler_output, *a, **kw)
             self._steps += 1
-            step = WorkerStep(scheduler_output, {n: f for n, f in self.flagged.items() if f}, self._steps)
+            # read-only views: a capture reads the step's flagged requests, it cannot change the runtime's (nor another
+            # content's) tracking of them
+            step = WorkerStep(scheduler_output, MappingProxyType({n: MappingProxyType(f) for n, f in self.flagged.items()
+                                                                  if f}), self._steps)
             self._step = step
             self._fire("begin_step", step)
             try:
@@ -642,7 +660,8 @@ class WorkerRuntime:
         if cap is None:
             if verb in ("fetch", "discard", "stats") and name in self.config["contents"]:
                 return None  # a non-capturing rank (or a content without worker capture) holds nothing
-            result = self.host.hooks.worker_call(worker=self.worker, method=method, args=list(args))
+            result = _plugin_verb(method, self.host.hooks.worker_call, worker=self.worker, method=method,
+                                  args=list(args))
             if result is None:
                 raise ValueError(f"no enabled worker plugin handles method {method!r}")
             return result
@@ -658,20 +677,22 @@ class WorkerRuntime:
             self._bury(name, cid, "discarded")  # (an answer already in a handover file: the driver drops it)
             try:
                 found = bool(cap.drop(cid))
-            except Exception as e:  # noqa: BLE001 - the runtime's own state is already clean; the plugin's, logged
+            except _STOP:
+                raise
+            except BaseException as e:  # noqa: BLE001 - the runtime's own state is clean; the plugin's, logged
                 log.error("worker_capture_step_failed", content=name, hook="drop",
                           error=_exc_line(e), **self.where)
                 found = False
             return found or had
         if verb == "stats":
-            return {**cap.stats(), "live_flagged": len(self.flagged[name]), "unwritten": len(self.unwritten[name]), "handover": self.handover_dir is not None,
+            return {**_plugin_verb(method, cap.stats), "live_flagged": len(self.flagged[name]), "unwritten": len(self.unwritten[name]), "handover": self.handover_dir is not None,
                     "handed_over": self.handover_written, "unwritten_steps": self.unwritten_steps,
                     "unwritten_requests": self.unwritten_requests, **self.where}
         fn = cap.verbs().get(verb)
         if fn is None:
             raise ValueError(f"{name} worker verb {verb!r} unknown; allowed: "
                              f"{sorted(['discard', 'fetch', 'stats', *cap.verbs()])}")
-        return fn(list(args))
+        return _plugin_verb(method, fn, list(args))
 
     def _unflag(self, name: str, cid: str) -> None:
         """Stop capturing ``cid`` for content ``name``: a request still running when its rows are fetched or
@@ -702,10 +723,12 @@ class WorkerRuntime:
         env = self.unwritten[name].pop(cid, None)
         if env is not None:  # its handover file could not be written: the answer it held comes by RPC
             self._bury(name, cid, "fetched" if "found" in env else "failed")
-            return env
+            return _sendable_answer(name, "handover", env, where)
         try:
             payload = cap.pop(cid, list(args[1:]))
-        except Exception as e:  # noqa: BLE001 - a plugin's fault fails its request, not the RPC (nor the engine)
+        except _STOP:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a plugin's fault fails its request, not the RPC (nor the engine)
             log.error("worker_capture_step_failed", content=name, hook="pop", error=_exc_line(e), **self.where)
             _drop_quietly(cap, cid)
             self._bury(name, cid, "failed")
@@ -713,7 +736,7 @@ class WorkerRuntime:
         if payload is None:
             return {"absent": self.gone[name].get(cid, "unknown"), **where}
         self._bury(name, cid, "fetched")
-        return {"found": payload, **where}
+        return _sendable_answer(name, "pop", {"found": payload, **where}, where)
 
 
 #: what a capture id (the value of a content's ``capture_key`` in ``SamplingParams.extra_args``) must be: 1-128 of
@@ -764,7 +787,9 @@ def _hook_idle_wait(rt: WorkerRuntime) -> str | None:
         if rt._pending is not None:
             try:
                 rt.settle()
-            except Exception as e:  # noqa: BLE001 - (plugins' faults are caught per content) never into vLLM's loop
+            except _STOP:
+                raise
+            except BaseException as e:  # noqa: BLE001 - (plugins' faults are caught per content) never into vLLM's loop
                 log.error("worker_step_end_failed", error=_exc_line(e), **rt.where)
         if rt._writes:  # step files the writer thread has finished: their answers freed while the engine idles
             rt.reap_writes()
@@ -787,12 +812,62 @@ def _callable_name(fn: Any) -> str:
         return "callback"
 
 
+def _unsendable(obj: Any) -> str | None:
+    """Why ``obj`` cannot go back to the driver in an RPC answer (None: it can). vLLM's engine core encodes utility
+    results with msgpack on its output thread, and a value it cannot encode ends that thread: the engine then answers
+    nothing and every request hangs. So every plugin value the worker sends is first encoded here with
+    ``msgspec.msgpack``: msgpack-native values only (dict, list, tuple, str, int, float, bool, None, bytes,
+    bytearray, memoryview), as the handover file's header holds them."""
+    import msgspec
+
+    try:
+        msgspec.msgpack.encode(obj)
+    except _STOP:
+        raise
+    except BaseException as e:  # noqa: BLE001 - whatever the encoder or a hostile object raised
+        return f"{type(e).__name__}: {_exc_line(e)}"
+    return None
+
+
+def _plugin_verb(method: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` for the worker RPC ``method`` (a plugin's verb, stats or ``genartifact_worker_call``):
+    its exception is the RPC's error, as vLLM reports it to the driver (a ``BaseException`` of the plugin's own is
+    turned into a ``RuntimeError`` first), and a result that could not go back (:func:`_unsendable`) is a
+    ``TypeError`` here instead of an engine whose output thread died encoding it."""
+    try:
+        res = fn(*args, **kwargs)
+    except _STOP:
+        raise
+    except Exception:
+        raise
+    except BaseException as e:  # noqa: BLE001 - not the engine's to die of
+        raise RuntimeError(f"worker verb {method!r} raised {type(e).__name__}: {_exc_line(e)}") from None
+    why = _unsendable(res)
+    if why is not None:
+        raise TypeError(f"worker verb {method!r} answered a value that is not msgpack-native ({why}); answer "
+                        f"dict/list/str/int/float/bool/None/bytes only")
+    return res
+
+
+def _sendable_answer(name: str, how: str, env: dict[str, Any], where: Mapping[str, Any]) -> dict[str, Any]:
+    """``env`` (a fetch answer of content ``name``) when it can go back by RPC (:func:`_unsendable`), else a failed
+    answer naming why (the request fails with ``internal_error``; the engine runs on)."""
+    why = _unsendable(env)
+    if why is None:
+        return env
+    err = f"{how}: the answer is not msgpack-native ({why}); return dict/list/str/int/float/bool/None/bytes only"
+    log.error("worker_capture_step_failed", content=name, hook=how, error=err, **where)
+    return {"absent": "failed", "error": err, "fault": True, **where}
+
+
 def _drop_quietly(cap: WorkerCapture, cid: str) -> None:
     """``cap.drop(cid)`` for a capture whose request already failed: a second fault of the plugin changes nothing
     (the request's answer names the first)."""
     try:
         cap.drop(cid)
-    except Exception:  # noqa: BLE001, S110 - the request already fails with the first fault
+    except _STOP:
+        raise
+    except BaseException:  # noqa: BLE001, S110 - the request already fails with the first fault
         pass
 
 
