@@ -2169,3 +2169,26 @@ def test_a_verb_answering_what_msgpack_cannot_carry_or_raising_its_own_base_exce
     with pytest.raises(RuntimeError, match="worker verb 'fake.boom' raised _Boom"):
         rt.call("fake.boom", [])
     assert rt.call("fake.stats", [])["requests"] == 0  # the runtime answers on
+
+
+def test_a_worker_plugins_own_verb_is_answered_and_checked():
+    """``genartifact_worker_call`` verbs of other plugins (a probe's) go through the same check."""
+    mod = types.ModuleType("fake_verb_plugin")
+
+    @hookimpl
+    def genartifact_worker_call(worker, method, args):
+        if method == "probe.ok":
+            return {"cpus": 2, "args": args}
+        if method == "probe.obj":
+            return {"x": object()}
+        return None
+
+    mod.genartifact_worker_call = genartifact_worker_call
+    sys.modules[mod.__name__] = mod
+    eps = {"genartifact.contents": [], "genartifact.targets": [],
+           "genartifact.probes": [FakeEP("probe", mod.__name__, NS(name="probe-dist", version="1"))]}
+    host = PluginHost({"probes": ["probe"]}, source=lambda g: eps[g])
+    rt = WorkerRuntime(fake_worker(), {"contents": [], "probes": ["probe"], "settings": {}}, host=host)
+    assert rt.call("probe.ok", [1]) == {"cpus": 2, "args": [1]}
+    with pytest.raises(TypeError, match="worker verb 'probe.obj' answered a value that is not msgpack-native"):
+        rt.call("probe.obj", [])

@@ -84,12 +84,19 @@ def test_points_file_rejects_infeasible(tmp_path, pt, match):
         load_points(f, LIMITS)
 
 
+def _points(names):
+    """A decode point per name (distinct contexts), as a rank's grid would hold them."""
+    return [Point("decode", batch=1 + i, context=64 + sum(map(ord, n))) for i, n in enumerate(names)]
+
+
 def rank_doc(rank, size=2, run_id="r1", engine=None, errors=None, points=("a", "b")):
+    pts = _points(points)
     return {"schema": "genartifact.fpm_bench.rank", "schema_version": 1, "artifact_type": "rank", "run_id": run_id,
-            "grid_digest": "g" * 64, "mode": "agg", "dp": {"rank": rank, "size": size},
+            "grid_digest": grid_digest(pts), "mode": "agg", "dp": {"rank": rank, "size": size},
             "protocol": {"content_seed": "0"}, "limits": {"max_num_seqs": 16},
             "coverage": {"expected_points": len(points), "completed_points": len(points), "failed_points": 0},
-            "points": [{"key": k, "dp_rank": rank, "status": "completed"} for k in points],
+            "points": [{"key": p.key(), "point": p.as_dict(), "dp_rank": rank, "status": "completed",
+                        "estimate": {"wall_time": 0.01 * (i + 1), "cv": 0.02}} for i, p in enumerate(pts)],
             "warmup_evidence": [], "engine": engine if engine is not None else
             {"model": {"model": "m"}, "parallel": {"data_parallel_rank": rank}, "worker_probe": {"rank": rank}},
             "capture_errors": errors or {}}
@@ -118,11 +125,11 @@ def test_merge_happy_path_and_sidecar(tmp_path):
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda d: d[1].update(run_id="other"), "differ in run_id"),
-    (lambda d: d[1].update(grid_digest="h" * 64), "differ in grid_digest"),
+    (lambda d: d.__setitem__(1, rank_doc(1, points=("x", "y"))), "differ in grid_digest"),
     (lambda d: d[1].update(protocol={"content_seed": "9"}), "differ in protocol"),
     (lambda d: d[1]["coverage"].update(completed_points=1), "differ in coverage"),
     (lambda d: d[1]["dp"].update(rank=0), "duplicate DP ranks"),
-    (lambda d: d[1]["points"].append({"key": "a", "dp_rank": 1}), "differ in coverage|more than one record"),
+    (lambda d: d[1]["points"].append(copy.deepcopy(d[1]["points"][0])), "do not hash to its grid_digest"),
     (lambda d: d[1]["engine"]["model"].update(model="other"), "engine provenance differs.*model.model"),
     (lambda d: d[1].update(schema_version=0), "legacy or foreign"),
     (lambda d: d[1]["points"][0].update(dp_rank=0), "dp_rank differs"),
@@ -140,10 +147,69 @@ def test_merge_missing_rank(tmp_path):
         merge(write_ranks(tmp_path, [rank_doc(0, size=3), rank_doc(2, size=3)]), tmp_path / "m.json")
 
 
-def test_failed_capture_rank_is_excluded_from_comparison(tmp_path):
-    bad = rank_doc(1, engine={"model": {"model": "different"}}, errors={"engine_config": "RuntimeError: x"})
-    m = merge(write_ranks(tmp_path, [rank_doc(0), bad]), tmp_path / "m.json")
-    assert m["capture_errors"] == {"1": {"engine_config": "RuntimeError: x"}}
+def test_a_rank_with_capture_errors_is_compared_on_what_it_captured(tmp_path):
+    """A rank whose capture partly failed is listed in capture_errors and compared on the fields it did capture: a
+    version mismatch there is refused, not merged silently (it was excluded from the comparison altogether)."""
+    partial = rank_doc(1, engine={"model": {"model": "m"}, "parallel": {"data_parallel_rank": 1}},
+                       errors={"kv_cache_spec": "RuntimeError: x"})
+    m = merge(write_ranks(_mk(tmp_path / "a"), [rank_doc(0), partial]), tmp_path / "m.json")
+    assert m["capture_errors"] == {"1": {"kv_cache_spec": "RuntimeError: x"}} and m["unverified_ranks"] == []
+    other = rank_doc(1, engine={"model": {"model": "different"}}, errors={"kv_cache_spec": "RuntimeError: x"})
+    with pytest.raises(MergeError, match="has capture errors; the fields it captured are compared.*model.model"):
+        merge(write_ranks(_mk(tmp_path / "b"), [rank_doc(0), other]), tmp_path / "n.json")
+    assert not (tmp_path / "n.json").exists() and not (tmp_path / "n_worker_probe.json").exists()
+
+
+def test_a_rank_without_engine_provenance_is_named_unverified(tmp_path, capsys):
+    from genartifact.cli import main
+
+    bare = rank_doc(1, errors={"engine_config": "RuntimeError: x"})
+    bare["engine"] = None
+    paths = write_ranks(tmp_path, [rank_doc(0), bare])
+    assert main(["bench", "merge", *map(str, paths), "--out", str(tmp_path / "m.json")]) == 0
+    assert json.loads((tmp_path / "m.json").read_text())["unverified_ranks"] == [1]
+    assert "warning: ranks [1] carry no engine provenance" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d["points"][0]["point"].update(batch=99), r"points\[0\]: key .* does not match its point"),
+    (lambda d: d["points"][0]["estimate"].update(wall_time=-5), r"points\[0\].estimate.wall_time must be"),
+    (lambda d: d["points"][0]["estimate"].update(cv="x"), r"points\[0\].estimate.cv must be"),
+    (lambda d: d["points"][0]["point"].update(phase=[1]), r"points\[0\]: key|points\[0\].point must be"),
+    (lambda d: d["points"][0]["point"].update(bogus=1), r"points\[0\].point must be a bench point"),
+    (lambda d: d["points"].__setitem__(0, "x"), r"points\[0\] must be"),
+    (lambda d: d.pop("dp"), "field dp must be an object"),
+    (lambda d: d.pop("points"), "field points must be a list"),
+    (lambda d: d.pop("limits"), "field limits must be an object"),
+    (lambda d: d.update(run_id=["r"]), "field run_id must be a string"),
+    (lambda d: d["dp"].update(size="2"), "field dp.size must be an integer 1..4096"),
+    (lambda d: d["dp"].update(size=5 * 10**7), "field dp.size must be an integer 1..4096"),
+    (lambda d: d["dp"].update(rank=1.0), "field dp.rank must be an integer"),
+    (lambda d: d["dp"].update(rank=True), "field dp.rank must be an integer"),
+    (lambda d: d.update(schema_version=True), "legacy or foreign"),
+    (lambda d: d.update(engine=[1]), "field engine must be an object or null"),
+])
+def test_a_malformed_or_forged_rank_is_refused_naming_the_field(tmp_path, mutate, match):
+    """Malformed rank files are a MergeError naming the file and field (they crashed with KeyError/TypeError), and
+    forged point records (a point that is not its key's, a negative estimate) are refused, never fitted on."""
+    bad = rank_doc(1)
+    mutate(bad)
+    with pytest.raises(MergeError, match=match):
+        merge(write_ranks(tmp_path, [rank_doc(0), bad]), tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists() and not (tmp_path / "m_worker_probe.json").exists()
+
+
+def test_nan_is_refused_and_a_failed_merge_leaves_nothing_behind(tmp_path):
+    """NaN is not JSON: a rank holding one is refused on reading (it was read, then failed the merged file's write
+    after the sidecar had been written, and that orphan sidecar blocked every rerun)."""
+    docs = [rank_doc(0), rank_doc(1)]
+    paths = write_ranks(tmp_path, docs)
+    paths[1].write_text(paths[1].read_text().replace('"cv": 0.02', '"cv": NaN', 1))
+    with pytest.raises(MergeError, match="NaN is not a JSON number"):
+        merge(paths, tmp_path / "m.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r0.json", "r1.json"]
+    paths = write_ranks(tmp_path, docs)  # fixed: the rerun merges
+    assert merge(paths, tmp_path / "m.json")["dp"]["source_ranks"] == [0, 1]
 
 
 def test_merge_property_random_rank_sets(tmp_path):

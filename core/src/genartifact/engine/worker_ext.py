@@ -660,8 +660,8 @@ class WorkerRuntime:
         if cap is None:
             if verb in ("fetch", "discard", "stats") and name in self.config["contents"]:
                 return None  # a non-capturing rank (or a content without worker capture) holds nothing
-            result = _plugin_verb(method, self.host.hooks.worker_call, worker=self.worker, method=method,
-                                  args=list(args))
+            result = _plugin_verb(method, lambda: self.host.hooks.worker_call(worker=self.worker, method=method,
+                                                                              args=list(args)))
             if result is None:
                 raise ValueError(f"no enabled worker plugin handles method {method!r}")
             return result
@@ -829,13 +829,13 @@ def _unsendable(obj: Any) -> str | None:
     return None
 
 
-def _plugin_verb(method: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` for the worker RPC ``method`` (a plugin's verb, stats or ``genartifact_worker_call``):
+def _plugin_verb(method: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` for the worker RPC ``method`` (a plugin's verb, stats or ``genartifact_worker_call``):
     its exception is the RPC's error, as vLLM reports it to the driver (a ``BaseException`` of the plugin's own is
     turned into a ``RuntimeError`` first), and a result that could not go back (:func:`_unsendable`) is a
     ``TypeError`` here instead of an engine whose output thread died encoding it."""
     try:
-        res = fn(*args, **kwargs)
+        res = fn(*args)
     except _STOP:
         raise
     except Exception:

@@ -60,10 +60,12 @@ def _flat(d: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
     return {prefix: d}
 
 
-def engine_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two engine blocks (ignoring :data:`ENGINE_IGNORED`)."""
+def engine_diff(a: Mapping[str, Any], b: Mapping[str, Any], common_only: bool = False) -> list[str]:
+    """Dotted keys whose values differ between two engine blocks (ignoring :data:`ENGINE_IGNORED`); with
+    ``common_only`` only keys both blocks hold (a rank whose capture partly failed: what it did capture must still
+    agree)."""
     fa, fb = _flat(a), _flat(b)
-    keys = sorted(set(fa) | set(fb))
+    keys = sorted(set(fa) & set(fb) if common_only else set(fa) | set(fb))
     return [".".join(k) for k in keys if not any(k[: len(i)] == i for i in ENGINE_IGNORED) and fa.get(k) != fb.get(k)]
 
 
@@ -89,22 +91,89 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     if len(raw) > MAX_JSON_BYTES:
         raise JSONFileError(f"larger than {MAX_JSON_BYTES} bytes")
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except ValueError as e:
-        raise JSONFileError(type(e).__name__) from None
+        raise JSONFileError(f"{type(e).__name__}: {str(e)[:120]}") from None
     except RecursionError:
         raise JSONFileError("nested too deeply") from None
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (bench artifacts hold finite numbers only)")
+
+
+#: the largest data-parallel size a rank artifact may declare
+MAX_DP_SIZE = 4096
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
 def load_rank(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check one rank artifact: schema and version, the fields the merge reads and their types, every point
+    record against its own key and the artifact's grid digest, and each completed estimate finite and >= 0.
+    :raises MergeError: naming the file and the offending field."""
     try:
         doc = read_json(path)
     except JSONFileError as e:
         raise MergeError(f"{path}: cannot read rank artifact ({e})") from None
-    if not isinstance(doc, dict) or doc.get("schema") != RANK_SCHEMA or doc.get("schema_version") != SCHEMA_VERSION:
+    if not isinstance(doc, dict) or doc.get("schema") != RANK_SCHEMA or not _is_int(doc.get("schema_version")) \
+            or doc.get("schema_version") != SCHEMA_VERSION:
         raise MergeError(f"{path}: not a {RANK_SCHEMA} v{SCHEMA_VERSION} artifact (legacy or foreign); "
-                         f"got schema={doc.get('schema') if isinstance(doc, dict) else None!r} "
-                         f"version={doc.get('schema_version') if isinstance(doc, dict) else None!r}")
+                         f"got schema={str(doc.get('schema'))[:80] if isinstance(doc, dict) else None!r} "
+                         f"version={str(doc.get('schema_version'))[:20] if isinstance(doc, dict) else None!r}")
+
+    def bad(field: str, want: str) -> MergeError:
+        return MergeError(f"{path}: field {field} must be {want}")
+
+    for k, t, want in (("run_id", str, "a string"), ("grid_digest", str, "a string"), ("mode", str, "a string"),
+                       ("protocol", dict, "an object"), ("coverage", dict, "an object"), ("limits", dict, "an object"),
+                       ("dp", dict, "an object"), ("points", list, "a list")):
+        if not isinstance(doc.get(k), t):
+            raise bad(k, want)
+    dp = doc["dp"]
+    if not _is_int(dp.get("size")) or not 1 <= dp["size"] <= MAX_DP_SIZE:
+        raise bad("dp.size", f"an integer 1..{MAX_DP_SIZE}")
+    if not _is_int(dp.get("rank")) or not 0 <= dp["rank"] < dp["size"]:
+        raise bad("dp.rank", f"an integer 0..dp.size-1 ({dp['size'] - 1})")
+    for k in ("engine",):
+        if doc.get(k) is not None and not isinstance(doc[k], dict):
+            raise bad(k, "an object or null")
+    for k in ("capture_errors", "provenance", "provenance_errors"):
+        if doc.get(k) is not None and not isinstance(doc[k], dict):
+            raise bad(k, "an object")
+    from genartifact_fpm_bench.grid import Point, grid_digest
+
+    points = []
+    for i, rec in enumerate(doc["points"]):
+        where = f"points[{i}]"
+        if not isinstance(rec, dict) or not isinstance(rec.get("key"), str) or not isinstance(rec.get("point"), dict):
+            raise bad(where, "an object with a string key and a point object")
+        try:
+            pt = Point(**rec["point"])
+            key = pt.key()
+        except (TypeError, ValueError) as e:
+            raise bad(f"{where}.point", f"a bench point ({type(e).__name__}: {str(e)[:100]})") from None
+        if pt.phase not in ("prefill", "decode") or not all(_is_int(v) and v >= 0 for v in
+                                                            (pt.batch, pt.tokens, pt.kv, pt.context)):
+            raise bad(f"{where}.point", "a bench point (phase prefill or decode, counts integers >= 0)")
+        if key != rec["key"]:
+            raise MergeError(f"{path}: {where}: key {rec['key'][:80]!r} does not match its point (key {key!r})")
+        if not _is_int(rec.get("dp_rank")):
+            raise bad(f"{where}.dp_rank", "an integer")
+        if rec.get("status") == "completed":
+            est = rec.get("estimate")
+            wall = est.get("wall_time") if isinstance(est, dict) else None
+            if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not 0 <= wall < float("inf"):
+                raise bad(f"{where}.estimate.wall_time", "a finite number of seconds >= 0")
+            cv = est.get("cv")
+            if cv is not None and (isinstance(cv, bool) or not isinstance(cv, (int, float)) or cv < 0):
+                raise bad(f"{where}.estimate.cv", "null or a number >= 0")
+        points.append(pt)
+    if grid_digest(points) != doc["grid_digest"]:
+        raise MergeError(f"{path}: its point records do not hash to its grid_digest (records changed after the run, "
+                         f"or a foreign grid)")
     return doc
 
 
@@ -142,10 +211,21 @@ def merge(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) 
         diff = engine_diff(clean[0][1]["engine"], d["engine"])
         if diff:
             raise MergeError(f"engine provenance differs between {clean[0][0]} and {p}: {', '.join(diff[:10])}")
+    # a rank whose capture partly failed: what it did capture (e.g. its versions) must still agree with the others
+    blocks = [(p, d) for p, d in docs if d.get("engine")]
+    for p, d in blocks:
+        if d.get("capture_errors") and blocks[0][0] != p:
+            diff = engine_diff(blocks[0][1]["engine"], d["engine"], common_only=True)
+            if diff:
+                raise MergeError(f"engine provenance differs between {blocks[0][0]} and {p} (which has capture "
+                                 f"errors; the fields it captured are compared): {', '.join(diff[:10])}")
+    unverified = sorted(d["dp"]["rank"] for _, d in docs if not d.get("engine"))
     out = Path(out)
     if out.exists():
         raise MergeError(f"merged artifact {out} exists; merged artifacts are written once")
     sidecar = out.with_name(f"{out.stem}_worker_probe.json")
+    if sidecar.exists():
+        raise MergeError(f"worker-probe sidecar {sidecar} exists; merged artifacts are written once")
     engine = None
     if clean:
         engine = json.loads(json.dumps(clean[0][1]["engine"]))
@@ -162,6 +242,8 @@ def merge(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) 
         "warmup_evidence": {str(d["dp"]["rank"]): d.get("warmup_evidence", []) for _, d in docs},
         "engine": engine,
         "capture_errors": capture_errors,
+        # ranks with no engine block at all: nothing of theirs could be checked for identity
+        "unverified_ranks": unverified,
         "worker_probe_path": sidecar.name,
         # the config's own probes (third-party): per rank, as each rank recorded them; never compared
         "provenance": {str(d["dp"]["rank"]): d.get("provenance") or {} for _, d in docs},
@@ -172,6 +254,15 @@ def merge(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) 
              "merged_output_path": out.name, "rank_files": [p for p, _ in docs],
              "ranks": {str(d["dp"]["rank"]): (d.get("engine") or {}).get("worker_probe", {"status": "missing"})
                        for _, d in docs}}
+    for doc in (probe, merged):  # both serialisable before either is written: all or nothing
+        try:
+            json.dumps(doc, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise MergeError(f"merged artifact cannot be written: {type(e).__name__}: {str(e)[:200]}") from None
     write_once(sidecar, probe)
-    write_once(out, merged)
+    try:
+        write_once(out, merged)
+    except BaseException:
+        sidecar.unlink(missing_ok=True)  # ours, written just now: the merge leaves nothing or both
+        raise
     return merged

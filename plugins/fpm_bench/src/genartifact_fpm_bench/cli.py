@@ -101,6 +101,12 @@ def _main(args: Any) -> int:
         merged = merge(args.ranks, args.out)
         print(f"merged {len(args.ranks)} ranks, {len(merged['points'])} records -> {args.out} "
               f"(+ {merged['worker_probe_path']})")
+        if merged["unverified_ranks"]:
+            print(f"warning: ranks {merged['unverified_ranks']} carry no engine provenance (their engine_config probe "
+                  f"failed): not checked for identity with the others; see capture_errors", file=sys.stderr)
+        elif merged["capture_errors"]:
+            print(f"warning: ranks {sorted(map(int, merged['capture_errors']))} have capture errors: only the "
+                  f"provenance they captured was compared; see capture_errors", file=sys.stderr)
     elif args.bench_cmd == "fit":
         from genartifact_fpm_bench.fit import fit, summary_lines, write_model
 

@@ -90,9 +90,9 @@ async def run_rank(*, model: str, mode: str, out_dir: str, rank: int = 0, dp_siz
     if out.exists():
         raise FileExistsError(f"rank artifact {out} exists; rank artifacts are written once")
     check_port_free(port_base + rank)  # one clear error now, not a bind failure buried in the engine's log
+    host = PluginHost({"probes": bench_probes(probes)})  # an unknown probe fails here, with nothing changed yet
     os.environ.update(GENARTIFACT_FPM_STREAM="1", GENARTIFACT_FPM_PORT_BASE=str(port_base),
                       GENARTIFACT_FPM_DP_RANK=str(rank))
-    host = PluginHost({"probes": bench_probes(probes)})
     kwargs = {"scheduler_cls": SCHEDULER_QUALNAME, "enable_prefix_caching": True, "seed": 0, **(engine_kwargs or {})}
     started = time.time()
     engine = await VllmEngine(host, model, **kwargs).start()
