@@ -1957,6 +1957,8 @@ def _two_content_host(bad):
             raise RuntimeError("cannot find the layers: token=s3cr3t")
         if bad == "wrong":
             return object()
+        if bad == "base":
+            raise _Boom("the plugin's own BaseException at init")
         return Recorder(worker)  # "duplicate": a second capture claiming content "fake"
 
     good.genartifact_worker_capture, broken.genartifact_worker_capture = good_hook, bad_hook
@@ -1967,7 +1969,7 @@ def _two_content_host(bad):
     return PluginHost({"contents": ["fake", "bad"]}, source=lambda g: eps[g])
 
 
-@pytest.mark.parametrize("bad", ["raises", "wrong", "duplicate"])
+@pytest.mark.parametrize("bad", ["raises", "wrong", "base", "duplicate"])
 def test_a_worker_capture_that_cannot_be_installed_fails_only_its_content(bad):
     """A content plugin whose ``genartifact_worker_capture`` raises or returns a wrong object (or a second capture for
     a content another plugin captures) does not fail the worker's init: the other captures are installed and capture,

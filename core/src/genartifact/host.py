@@ -564,6 +564,11 @@ class Hooks:
             except PluginFault as e:
                 out.append((info, e))
                 continue
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - a BaseException of the plugin's own: still only its fault
+                out.append((info, fault(info, "genartifact_worker_capture", e)))
+                continue
             if res is not None:
                 out.append((info, res))
         return out
