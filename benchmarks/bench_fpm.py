@@ -101,11 +101,18 @@ async def overhead_async(args) -> None:
 
 
 def synthetic(rank: int, n: int) -> dict:
-    pts = [{"key": f"decode:b{1 + i % 16}:c{i}", "dp_rank": rank, "status": "completed", "point": {"phase": "decode"},
+    """A rank artifact of ``n`` decode points that passes the merge's checks (records match their keys and the
+    grid digest)."""
+    from genartifact_fpm_bench.grid import Point, grid_digest
+
+    grid = [Point("decode", batch=1 + i % 16, context=i) for i in range(n)]
+    pts = [{"key": p.key(), "dp_rank": rank, "status": "completed", "point": p.as_dict(),
             "estimate": {"wall_time": 0.001, "raw_sample_indices": [1]},
-            "raw_samples": [{"sample_index": 0, "forward_index": i, "timing": {"wall_time": 0.001}}]} for i in range(n)]
+            "raw_samples": [{"sample_index": 0, "forward_index": i, "timing": {"wall_time": 0.001}}]}
+           for i, p in enumerate(grid)]
     return {"schema": "genartifact.fpm_bench.rank", "schema_version": 1, "artifact_type": "rank", "run_id": "r",
-            "grid_digest": "g", "mode": "agg", "dp": {"rank": rank, "size": 8}, "protocol": {}, "limits": {},
+            "grid_digest": grid_digest(grid), "mode": "agg", "dp": {"rank": rank, "size": 8}, "protocol": {},
+            "limits": {},
             "coverage": {"expected_points": n, "completed_points": n, "failed_points": 0}, "points": pts,
             "warmup_evidence": [], "engine": {"model": {"model": "m"}}, "capture_errors": {}}
 
