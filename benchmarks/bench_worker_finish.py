@@ -153,7 +153,7 @@ class Worker:
         self.logprobs = LogprobCapture.__new__(LogprobCapture)  # (its __init__ wraps vLLM's sampler)
         self.logprobs.store, self.logprobs.step, self.logprobs._sampled = {}, None, None
         caps = [self.routes, self.logprobs]
-        host = NS(hooks=NS(worker_captures=lambda worker, settings: caps))
+        host = NS(hooks=NS(worker_captures=lambda worker, settings: [(None, c) for c in caps]))  # (info, capture)
         self.runner = Runner(forward_ms)
         self.worker = NS(rank=0, model_runner=self.runner, vllm_config=NS(parallel_config=NS(
             tensor_parallel_size=1, data_parallel_rank=0, data_parallel_size=1)))

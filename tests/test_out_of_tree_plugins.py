@@ -181,34 +181,14 @@ FAULTY_WORKER_SRC = '''
 """A worker content whose worker setup has a bug (its genartifact_worker_capture raises on every worker): the
 engine still starts, its requests fail at admission, nothing else."""
 import pluggy
+from genartifact_faulty_content import Faulty
 
 hookimpl = pluggy.HookimplMarker("genartifact")
 
 
-class FaultyWorker:
+class FaultyWorker(Faulty):  # (the same dist's minimal producer, whose on_delta is not reached here)
     name = "faulty_worker"
     consumes_deltas = False
-
-    def admit(self, ctx):
-        return 0
-
-    def sampling_overrides(self, params):
-        pass
-
-    def on_delta(self, delta):
-        pass
-
-    async def collect(self, final):
-        pass
-
-    def finalize(self, final):
-        return {}, []
-
-    def retained_bytes(self):
-        return 0
-
-    def release(self):
-        pass
 
 
 @hookimpl

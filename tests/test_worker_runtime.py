@@ -1993,8 +1993,8 @@ async def test_the_driver_fails_only_the_faulted_contents_requests_at_admission(
     plugin fault at admission (``internal_error``), naming the content; requests without it are admitted."""
     from genartifact.engine.vllm_adapter import VllmEngine
     from genartifact.errors import PluginFault
-    from genartifact.testing import arun_session, model_info
     from genartifact.testing import make_host as kit_host
+    from genartifact.testing import model_info
 
     class FakeLLM:
         async def collective_rpc(self, name, args=()):
@@ -2010,64 +2010,20 @@ async def test_the_driver_fails_only_the_faulted_contents_requests_at_admission(
     assert await eng._init_workers() == {"fake"}
     assert eng.capture_faults == {"bad": "content plugin bad (bad-dist 2) raised ..."}
 
-    host = kit_host(contents={"echo": _EchoPlugin()})
-    model = model_info(worker_capture_faults={"echo": "content plugin echo (x 1) raised RuntimeError: boom"})
-    with pytest.raises(PluginFault, match="content 'echo': its worker capture could not be installed"):
-        await arun_session(host, ["echo"], [1, 2, 3], [4, 5], model=model)
-    ok = await arun_session(host, ["echo"], [1, 2, 3], [4, 5], model=model_info(worker_capture_faults={"other": "x"}))
-    assert ok.receipt["state"] == "ready"
+    from genartifact.session import ArtifactSession
+    from genartifact.spec import parse_request
 
+    host = kit_host(contents=["moe_routes"])
+    req = parse_request({"format": "generation_artifact_v1", "contents": ["moe_routes"],
+                         "delivery": {"mode": "object_store", "target": {"kind": "memory", "object_key": "runs/a"}}})
 
-class _Echo:
-    """A minimal content: the completion's token ids as u32 [C]."""
+    def admit(faults):
+        s = ArtifactSession.for_request(host, req, model_info(worker_capture_faults=faults), {"memory": {}})
+        s.admit(3, 2)
 
-    name = "echo"
-
-    def __init__(self):
-        self.vals = []
-
-    def admit(self, ctx):
-        return 4 * ctx.max_tokens + 2
-
-    def sampling_overrides(self, params):
-        pass
-
-    def on_delta(self, delta):
-        self.vals.extend(delta.new_token_ids)
-
-    async def collect(self, final):
-        pass
-
-    def finalize(self, final):
-        import numpy as np
-        from genartifact.types import TensorPart
-
-        return {}, [TensorPart("echo.values", np.asarray(self.vals, "<u4"))]
-
-    def retained_bytes(self):
-        return 4 * len(self.vals)
-
-    def release(self):
-        self.vals = []
-
-
-class _EchoReader:
-    def validate(self, manifest, section, tensors):
-        from genartifact.errors import ArtifactFormatError
-
-        v = tensors.get("echo.values")
-        if v is None or v.shape != (manifest["completion_token_count"],):
-            raise ArtifactFormatError("echo.values must be u32 [C]")
-
-
-class _EchoPlugin:
-    @hookimpl
-    def genartifact_content_producer(self, name, model):
-        return _Echo() if name == "echo" else None
-
-    @hookimpl
-    def genartifact_content_reader(self, name):
-        return _EchoReader() if name == "echo" else None
+    with pytest.raises(PluginFault, match="content 'moe_routes': its worker capture could not be installed"):
+        admit({"moe_routes": "content plugin moe_routes (x 1) raised RuntimeError: boom"})
+    admit({"other": "x"})  # another content's fault: this request is admitted
 
 
 # ------------------------------------------------------------------- answers that cannot go back, BaseExceptions
