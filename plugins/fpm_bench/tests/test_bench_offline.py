@@ -352,6 +352,7 @@ async def test_collect_records_a_wrong_answer_as_that_probes_error_and_keeps_the
 
     impls = [
         _probe("good", lambda n: {"name": n, "data": {"cpus": 2}}),
+        _probe("host_note", lambda n: {"name": "host-note", "data": 1}),  # its entry-point spelling: the same name
         _probe("later", lambda n: {"name": n, "data": fine()}),
         _probe("none", None),
         _probe("nodata", lambda n: {"name": n, "block": 1}),
@@ -364,7 +365,7 @@ async def test_collect_records_a_wrong_answer_as_that_probes_error_and_keeps_the
         _probe("slow", lambda n: {"name": n, "data": slow()}),
     ]
     blocks, errors = await probes.collect(NS(hooks=_Hooks(impls)), {"engine": None}, timeout_s=0.2)
-    assert blocks == {"good": {"cpus": 2}, "later": {"x": 1}}
+    assert blocks == {"good": {"cpus": 2}, "host_note": 1, "later": {"x": 1}}
     assert sorted(errors) == ["huge", "list", "nan", "nodata", "object", "raises", "slow", "thief"]
     assert "expected None or {'name': 'nodata', 'data'" in errors["nodata"]
     assert "name='engine_config'" in errors["thief"] and "engine_config" not in blocks

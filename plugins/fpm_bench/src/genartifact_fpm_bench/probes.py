@@ -145,6 +145,8 @@ async def collect(host: Any, context: Mapping[str, Any], timeout_s: float = 30.0
     probe's fault: the rank artifact is still written."""
     import json
 
+    from genartifact.host import normalize
+
     blocks: dict[str, Any] = {}
     errors: dict[str, str] = {}
     for plugin, fn in host.hooks.provenance_impls():
@@ -153,7 +155,8 @@ async def collect(host: Any, context: Mapping[str, Any], timeout_s: float = 30.0
             res = fn(context=context)
             if res is None:
                 continue
-            if not isinstance(res, Mapping) or "data" not in res or res.get("name") != name:
+            if not isinstance(res, Mapping) or "data" not in res or not isinstance(res.get("name"), str) \
+                    or normalize(res["name"]) != name:
                 got = (f"a mapping with name={str(res.get('name'))[:80]!r} and keys {sorted(map(str, res))[:8]}"
                        if isinstance(res, Mapping) else type(res).__name__)
                 raise TypeError(f"probe {name!r} returned {got}; expected None or "
