@@ -137,13 +137,12 @@ def load_rank(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise bad("dp.size", f"an integer 1..{MAX_DP_SIZE}")
     if not _is_int(dp.get("rank")) or not 0 <= dp["rank"] < dp["size"]:
         raise bad("dp.rank", f"an integer 0..dp.size-1 ({dp['size'] - 1})")
-    for k in ("engine",):
-        if doc.get(k) is not None and not isinstance(doc[k], dict):
-            raise bad(k, "an object or null")
+    if doc.get("engine") is not None and not isinstance(doc["engine"], dict):
+        raise bad("engine", "an object or null")
     for k in ("capture_errors", "provenance", "provenance_errors"):
         if doc.get(k) is not None and not isinstance(doc[k], dict):
             raise bad(k, "an object")
-    from genartifact_fpm_bench.grid import Point, grid_digest
+    from genartifact_fpm_bench.grid import PHASES, GridError, grid_digest, point_from_dict
 
     points = []
     for i, rec in enumerate(doc["points"]):
@@ -151,13 +150,12 @@ def load_rank(path: str | os.PathLike[str]) -> dict[str, Any]:
         if not isinstance(rec, dict) or not isinstance(rec.get("key"), str) or not isinstance(rec.get("point"), dict):
             raise bad(where, "an object with a string key and a point object")
         try:
-            pt = Point(**rec["point"])
-            key = pt.key()
-        except (TypeError, ValueError) as e:
-            raise bad(f"{where}.point", f"a bench point ({type(e).__name__}: {str(e)[:100]})") from None
-        if pt.phase not in ("prefill", "decode") or not all(_is_int(v) and v >= 0 for v in
-                                                            (pt.batch, pt.tokens, pt.kv, pt.context)):
+            pt = point_from_dict(rec["point"], "point")
+        except GridError as e:
+            raise bad(f"{where}.point", f"a bench point ({e})") from None
+        if pt.phase not in PHASES or min(pt.batch, pt.tokens, pt.kv, pt.context) < 0:
             raise bad(f"{where}.point", "a bench point (phase prefill or decode, counts integers >= 0)")
+        key = pt.key()
         if key != rec["key"]:
             raise MergeError(f"{path}: {where}: key {rec['key'][:80]!r} does not match its point (key {key!r})")
         if not _is_int(rec.get("dp_rank")):

@@ -175,15 +175,22 @@ def load_points(path: str | Path, limits: Limits, repeats: int = 3) -> list[Poin
         raise GridError("points file must be an object with a non-empty 'points' list")
     pts = []
     for i, d in enumerate(raw["points"]):
-        if not isinstance(d, Mapping) or set(d) - {"phase", "batch", "tokens", "kv", "context"}:
-            raise GridError(f"points[{i}]: keys must be among phase, batch, tokens, kv, context")
-        if not all(isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool) for k in ("batch", "tokens", "kv", "context")):
-            raise GridError(f"points[{i}]: batch, tokens, kv, context must be integers")
-        p = Point(str(d.get("phase")), int(d.get("batch", 0)), int(d.get("tokens", 0)), int(d.get("kv", 0)),
-                  int(d.get("context", 0)))
+        p = point_from_dict(d, f"points[{i}]")
         limits.check(p, repeats)
         pts.append(p)
     return pts
+
+
+def point_from_dict(d: Any, where: str) -> Point:
+    """``d``, a point as JSON holds it (``{"phase", "batch", "tokens"?, "kv"?, "context"?}``), as a :class:`Point`.
+    Raises :class:`GridError` naming ``where`` for other keys or counts that are not integers (the phase and the
+    counts' ranges are :meth:`Limits.check`'s)."""
+    if not isinstance(d, Mapping) or set(d) - {"phase", "batch", "tokens", "kv", "context"}:
+        raise GridError(f"{where}: keys must be among phase, batch, tokens, kv, context")
+    if not all(isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool) for k in ("batch", "tokens", "kv", "context")):
+        raise GridError(f"{where}: batch, tokens, kv, context must be integers")
+    return Point(str(d.get("phase")), int(d.get("batch", 0)), int(d.get("tokens", 0)), int(d.get("kv", 0)),
+                 int(d.get("context", 0)))
 
 
 def points_file_keys(path: str | Path) -> list[str]:
