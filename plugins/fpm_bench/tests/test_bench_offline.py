@@ -155,9 +155,13 @@ def test_a_rank_with_capture_errors_is_compared_on_what_it_captured(tmp_path):
     m = merge(write_ranks(_mk(tmp_path / "a"), [rank_doc(0), partial]), tmp_path / "m.json")
     assert m["capture_errors"] == {"1": {"kv_cache_spec": "RuntimeError: x"}} and m["unverified_ranks"] == []
     other = rank_doc(1, engine={"model": {"model": "different"}}, errors={"kv_cache_spec": "RuntimeError: x"})
-    with pytest.raises(MergeError, match="has capture errors; the fields it captured are compared.*model.model"):
+    with pytest.raises(MergeError, match="capture errors on one side; the fields both captured are compared.*model.model"):
         merge(write_ranks(_mk(tmp_path / "b"), [rank_doc(0), other]), tmp_path / "n.json")
     assert not (tmp_path / "n.json").exists() and not (tmp_path / "n_worker_probe.json").exists()
+    # the same when the rank with capture errors comes first (it was then compared with no one)
+    first = rank_doc(0, engine={"model": {"model": "different"}}, errors={"kv_cache_spec": "RuntimeError: x"})
+    with pytest.raises(MergeError, match="capture errors on one side; the fields both captured are compared.*model.model"):
+        merge(write_ranks(_mk(tmp_path / "c"), [first, rank_doc(1)]), tmp_path / "o.json")
 
 
 def test_a_rank_without_engine_provenance_is_named_unverified(tmp_path, capsys):

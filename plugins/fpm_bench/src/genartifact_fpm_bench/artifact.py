@@ -205,18 +205,18 @@ def merge(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) 
     clean = [(p, d) for p, d in docs if d.get("engine") and not d.get("capture_errors")]
     capture_errors = {str(d["dp"]["rank"]): (d.get("capture_errors") or "missing engine block")
                       for _, d in docs if not d.get("engine") or d.get("capture_errors")}
-    for p, d in clean[1:]:
-        diff = engine_diff(clean[0][1]["engine"], d["engine"])
-        if diff:
-            raise MergeError(f"engine provenance differs between {clean[0][0]} and {p}: {', '.join(diff[:10])}")
-    # a rank whose capture partly failed: what it did capture (e.g. its versions) must still agree with the others
+    # every rank with an engine block against one reference (a cleanly captured rank where there is one): in full
+    # between clean ranks; where either side's capture partly failed, on the fields both captured (e.g. versions)
     blocks = [(p, d) for p, d in docs if d.get("engine")]
+    ref_p, ref_d = clean[0] if clean else (blocks[0] if blocks else (None, None))
     for p, d in blocks:
-        if d.get("capture_errors") and blocks[0][0] != p:
-            diff = engine_diff(blocks[0][1]["engine"], d["engine"], common_only=True)
-            if diff:
-                raise MergeError(f"engine provenance differs between {blocks[0][0]} and {p} (which has capture "
-                                 f"errors; the fields it captured are compared): {', '.join(diff[:10])}")
+        if p == ref_p:
+            continue
+        partial = bool(d.get("capture_errors") or ref_d.get("capture_errors"))
+        diff = engine_diff(ref_d["engine"], d["engine"], common_only=partial)
+        if diff:
+            why = " (capture errors on one side; the fields both captured are compared)" if partial else ""
+            raise MergeError(f"engine provenance differs between {ref_p} and {p}{why}: {', '.join(diff[:10])}")
     unverified = sorted(d["dp"]["rank"] for _, d in docs if not d.get("engine"))
     out = Path(out)
     if out.exists():
