@@ -2010,16 +2010,12 @@ async def test_the_driver_fails_only_the_faulted_contents_requests_at_admission(
     assert await eng._init_workers() == {"fake"}
     assert eng.capture_faults == {"bad": "content plugin bad (bad-dist 2) raised ..."}
 
-    from genartifact.session import ArtifactSession
-    from genartifact.spec import parse_request
+    from genartifact.testing import new_session
 
     host = kit_host(contents=["moe_routes"])
-    req = parse_request({"format": "generation_artifact_v1", "contents": ["moe_routes"],
-                         "delivery": {"mode": "object_store", "target": {"kind": "memory", "object_key": "runs/a"}}})
 
     def admit(faults):
-        s = ArtifactSession.for_request(host, req, model_info(worker_capture_faults=faults), {"memory": {}})
-        s.admit(3, 2)
+        new_session(host, ["moe_routes"], model=model_info(worker_capture_faults=faults)).admit(3, 2)
 
     with pytest.raises(PluginFault, match="content 'moe_routes': its worker capture could not be installed"):
         admit({"moe_routes": "content plugin moe_routes (x 1) raised RuntimeError: boom"})

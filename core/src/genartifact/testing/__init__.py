@@ -317,6 +317,24 @@ def _run_target_settings(host: Any, target_settings: Mapping[str, Any] | None) -
     return out
 
 
+def new_session(host: Any, contents: Sequence[str], *, model: ModelInfo | None = None,
+                target: Mapping[str, Any] | None = None, target_settings: Mapping[str, Any] | None = None,
+                journal: Any = None) -> Any:
+    """A not yet admitted :class:`~genartifact.session.ArtifactSession` of ``contents`` as :func:`arun_session` makes
+    it (``model`` default :func:`model_info`; ``target`` default the kit's memory target with a fresh key;
+    ``target_settings`` as there). For tests of one stage: admission, the sampling overrides."""
+    import uuid
+
+    from genartifact.session import ArtifactSession
+    from genartifact.spec import parse_request
+
+    tgt = dict(target or {"kind": "memory", "object_key": f"runs/{uuid.uuid4().hex}.gart"})
+    req = parse_request({"format": "generation_artifact_v1", "contents": list(contents), "codec": "zstd",
+                         "delivery": {"mode": "object_store", "target": tgt}})
+    return ArtifactSession.for_request(host, req, model or model_info(), _run_target_settings(host, target_settings),
+                                       journal)
+
+
 async def arun_session(host: Any, contents: Sequence[str], prompt: Sequence[int], completion: Sequence[int], *,
                        target: Mapping[str, Any] | None = None, max_tokens: int | None = None,
                        sampling: Mapping[str, Any] | None = None, model: ModelInfo | None = None,
@@ -333,19 +351,9 @@ async def arun_session(host: Any, contents: Sequence[str], prompt: Sequence[int]
     ``deltas_`` replaces the deltas built by :func:`deltas` (e.g. more deltas than admitted).
     Admission errors and plugin faults at admission propagate (as they would before inference); later
     failures are in the receipt."""
-    import uuid
-
     from genartifact.format import MAX_OBJECT_BYTES, decode
-    from genartifact.session import ArtifactSession
-    from genartifact.spec import parse_request
 
-    model = model or model_info()
-    tgt = dict(target or {"kind": "memory", "object_key": f"runs/{uuid.uuid4().hex}.gart"})
-    spec = {"format": "generation_artifact_v1", "contents": list(contents), "codec": "zstd",
-            "delivery": {"mode": "object_store", "target": tgt}}
-    req = parse_request(spec)
-    settings = _run_target_settings(host, target_settings)
-    s = ArtifactSession.for_request(host, req, model, settings, journal)
+    s = new_session(host, contents, model=model, target=target, target_settings=target_settings, journal=journal)
     params = dict(sampling or {"temperature": 1.0})
     try:
         s.admit(len(prompt), max_tokens or max(1, len(completion)), routes_start=routes_start, sampling=params)
@@ -437,4 +445,5 @@ def free_port(count: int = 1, host: str = "127.0.0.1", *, span: int = 0) -> int:
 
 
 __all__ = ["TINY_MOE_CONFIG", "FakeEngine", "MemoryTarget", "MemoryTargetPlugin", "SessionResult", "arun_session",
-           "deltas", "free_port", "hookimpl", "make_host", "model_info", "run_session", "wait_child"]
+           "deltas", "free_port", "hookimpl", "make_host", "model_info", "new_session", "run_session",
+           "wait_child"]

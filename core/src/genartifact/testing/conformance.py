@@ -517,15 +517,9 @@ class ContentConformance:
     def _overridden(self, sampling: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
         """A fresh session of this content admitted for :attr:`prompt`/:attr:`completion` and its producers'
         sampling overrides of (a copy of) ``sampling``: ``(session, params)``."""
-        from genartifact.session import ArtifactSession
-        from genartifact.spec import parse_request
-        from genartifact.testing import _run_target_settings
+        from genartifact.testing import new_session
 
-        host = self.make_host()
-        req = parse_request({"format": "generation_artifact_v1", "contents": [self.content], "codec": "zstd",
-                             "delivery": {"mode": "object_store", "target": {
-                                 "kind": "memory", "object_key": f"runs/{uuid.uuid4().hex}.gart"}}})
-        s = ArtifactSession.for_request(host, req, self.model(), _run_target_settings(host, None))
+        s = new_session(self.make_host(), [self.content], model=self.model())
         params = copy.deepcopy(dict(sampling))
         s.admit(len(self.prompt), len(self.completion), sampling=params)
         s.sampling_overrides(params)
