@@ -817,11 +817,12 @@ def _unsendable(obj: Any) -> str | None:
     results with msgpack on its output thread, and a value it cannot encode ends that thread: the engine then answers
     nothing and every request hangs. So every plugin value the worker sends is first encoded here with
     ``msgspec.msgpack``: msgpack-native values only (dict, list, tuple, str, int, float, bool, None, bytes,
-    bytearray, memoryview), as the handover file's header holds them."""
+    bytearray, memoryview), as the handover file's header holds them. Large blobs are lifted out first, as for
+    the step file (:func:`_lift_blobs`): the check encodes the structure, it does not copy a long request's rows."""
     import msgspec
 
     try:
-        msgspec.msgpack.encode(obj)
+        msgspec.msgpack.encode(_lift_blobs({"answer": obj})[0])
     except _STOP:
         raise
     except BaseException as e:  # noqa: BLE001 - whatever the encoder or a hostile object raised
@@ -1081,10 +1082,10 @@ def step_file_parts(entries: Mapping[str, Any]) -> list[Any]:
     return _step_file(entries)[0]
 
 
-def _step_file(entries: Mapping[str, Any]) -> tuple[list[Any], bool]:
-    """:func:`step_file_parts`, and whether every blob is a ``bytes`` or ``bytearray`` object of its own (no
-    ``memoryview``: a view is a window on a buffer its capture may reuse, so its file is not left to the writer
-    thread, see :meth:`WorkerRuntime._write_handover`)."""
+def _lift_blobs(entries: Mapping[str, Any]) -> tuple[dict[str, Any], list[memoryview], bool]:
+    """``entries`` with each blob (a C-contiguous bytes-like of at least :data:`STEP_BLOB_MIN` bytes held in a map,
+    maps nested up to :data:`_LIFT_DEPTH` deep) replaced by a msgpack extension naming its length: ``(the lifted
+    entries, the blobs as byte views in order, whether every blob is a bytes or bytearray object of its own)``."""
     import msgspec
 
     blobs: list[memoryview] = []
@@ -1102,7 +1103,17 @@ def _step_file(entries: Mapping[str, Any]) -> tuple[list[Any], bool]:
                 return msgspec.msgpack.Ext(STEP_BLOB_EXT, _BLOB_LEN.pack(mv.nbytes))
         return v
 
-    header = msgspec.msgpack.encode({k: lift(v, 0) for k, v in entries.items()})
+    return {k: lift(v, 0) for k, v in entries.items()}, blobs, own
+
+
+def _step_file(entries: Mapping[str, Any]) -> tuple[list[Any], bool]:
+    """:func:`step_file_parts`, and whether every blob is a ``bytes`` or ``bytearray`` object of its own (no
+    ``memoryview``: a view is a window on a buffer its capture may reuse, so its file is not left to the writer
+    thread, see :meth:`WorkerRuntime._write_handover`)."""
+    import msgspec
+
+    lifted, blobs, own = _lift_blobs(entries)
+    header = msgspec.msgpack.encode(lifted)
     if len(header) > STEP_HEADER_MAX:  # a driver would refuse it: the answers go by RPC instead
         raise ValueError(f"step file header of {len(header)} bytes above STEP_HEADER_MAX ({STEP_HEADER_MAX})")
     return [_STEP_PREFIX.pack(STEP_MAGIC, STEP_VERSION, len(header)) + header, *blobs], own
